@@ -1,0 +1,51 @@
+"""tinkerless: RL-train LLM agents from plain Python, locally or on rented GPUs.
+
+    import tinkerless
+
+    @tinkerless.reward
+    def exact(completion: str, task: dict) -> float: ...
+
+    tinkerless.train(model="smollm2", reward=exact, tasks=[...], steps=20)
+
+Public API:
+- `env`, `reward`: decorators for user environments and reward functions;
+- `StepResult`: what an env's `step()` returns;
+- `train`, `TrainConfig`, `RunResult`: run RL end to end;
+- `TrainingClient`, `LocalBackend`: Tinker-style primitives (sample, forward_backward, optim_step, save/load_state);
+- `LossConfig`, `AdamParams`, `SamplingParams`, `LoraConfig`, `Datum`: wire types;
+- `errors`: the typed exceptions.
+Heavy modules (torch, transformers) load on first use of what needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tinkerless import errors
+from tinkerless.envs.base import StepResult
+from tinkerless.sdk.decorators import env, reward
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "train": "tinkerless.sdk.trainer",
+    "RunResult": "tinkerless.sdk.trainer",
+    "TrainConfig": "tinkerless.sdk.config",
+    "TrainingClient": "tinkerless.sdk.client",
+    "LocalBackend": "tinkerless.sdk.backends",
+    "LossConfig": "tinkerless.functions.losses",
+    "AdamParams": "tinkerless.wire.messages",
+    "SamplingParams": "tinkerless.wire.messages",
+    "LoraConfig": "tinkerless.wire.messages",
+    "Datum": "tinkerless.wire.messages",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tinkerless' has no attribute {name!r}")
+
+
+__all__ = ["StepResult", "env", "errors", "reward", *_LAZY]

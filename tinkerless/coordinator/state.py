@@ -1,0 +1,96 @@
+"""A run's persistent state: plain data that round-trips through JSON.
+
+Kept free of locks and storage handles so it can later be sent over HTTP or
+Modal unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+
+from tinkerless.errors import UserError
+
+RUNS_PREFIX = "runs"
+STATE_FILE = "state.json"
+STATUSES = ("running", "finished", "failed")
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class Phase(str, Enum):
+    IDLE = "idle"  # between steps: the next rollout may begin
+    ROLLOUT = "rollout"  # collecting this step's rollouts from participants
+    UPDATE = "update"  # all rollouts in; the policy update is running
+    DONE = "done"  # run finished
+    FAILED = "failed"  # run failed
+
+
+@dataclass
+class RunState:
+    run_id: str
+    step: int = 0
+    policy_version: int = 0
+    phase: Phase = Phase.IDLE
+    status: str = "running"  # running | finished | failed
+    config: dict = field(default_factory=dict)
+    last_checkpoint_step: int | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    summary: dict = field(default_factory=dict)  # e.g. last metrics, cost
+    # The rollout barrier of the current step; persisted so a restarted
+    # coordinator knows who still owes rollouts.
+    rollout_participants: list[str] = field(default_factory=list)
+    rollouts_submitted: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["phase"] = self.phase.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunState":
+        """Build from `to_dict()` output; unknown keys (from newer versions) are ignored."""
+        if not isinstance(d, dict) or not isinstance(d.get("run_id"), str):
+            raise ValueError("run state must be an object with a string 'run_id'")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        kwargs["phase"] = Phase(kwargs.get("phase", Phase.IDLE.value))
+        state = cls(**kwargs)
+        if not isinstance(state.step, int) or not isinstance(state.policy_version, int):
+            raise ValueError("'step' and 'policy_version' must be integers")
+        if state.status not in STATUSES:
+            raise ValueError(f"unknown status {state.status!r}")
+        state.rollout_participants = list(state.rollout_participants)
+        state.rollouts_submitted = list(state.rollouts_submitted)
+        return state
+
+    def missing_rollouts(self) -> list[str]:
+        """Participants of the current rollout barrier that have not submitted yet."""
+        done = set(self.rollouts_submitted)
+        return [p for p in self.rollout_participants if p not in done]
+
+
+def validate_run_id(run_id: str) -> str:
+    """Run ids become one storage key part, so they must be a plain, safe name."""
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise UserError(
+            f"invalid run id {run_id!r}",
+            hint="use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit "
+            "(e.g. 'gsm8k-grpo-01')",
+        )
+    return run_id
+
+
+def run_prefix(run_id: str) -> str:
+    return f"{RUNS_PREFIX}/{validate_run_id(run_id)}"
+
+
+def state_key(run_id: str) -> str:
+    return f"{run_prefix(run_id)}/{STATE_FILE}"
+
+
+def checkpoint_prefix(run_id: str) -> str:
+    """Where a run's CheckpointStore lives."""
+    return f"{run_prefix(run_id)}/checkpoints"

@@ -1,0 +1,90 @@
+"""Typed errors. Every error says what went wrong and what to do about it.
+
+`category` mirrors the wire protocol: "user" errors are caused by the caller's
+code, data or configuration; "server" errors are tinkerless's or the machine's.
+"""
+
+from __future__ import annotations
+
+
+class TinkerlessError(Exception):
+    """Base class for all tinkerless errors."""
+
+    category = "server"
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        self.message = message
+        self.hint = hint
+        super().__init__(f"{message}\n  hint: {hint}" if hint else message)
+
+
+class UserError(TinkerlessError):
+    """The caller's code, data or configuration is at fault."""
+
+    category = "user"
+
+
+class ConfigError(UserError):
+    """A run or algorithm setting is invalid."""
+
+
+class DatasetError(UserError):
+    """The task dataset is empty, malformed or unreadable."""
+
+
+class UserCodeError(UserError):
+    """User code (env, reward, tool) cannot be packaged or raised while running."""
+
+
+class EnvError(UserCodeError):
+    """An environment's reset/step raised, or it broke the env protocol."""
+
+
+class RewardError(UserCodeError):
+    """A reward function raised or returned something that is not a finite number."""
+
+
+class ModelNotFoundError(UserError):
+    """A model name or path could not be resolved to weights."""
+
+
+class ProtocolError(UserError):
+    """A request does not match what the receiver speaks (version, type, size)."""
+
+
+class PhaseError(TinkerlessError):
+    """A coordinator barrier was violated (e.g. update before rollouts finished)."""
+
+
+class BarrierTimeout(TinkerlessError):
+    """A barrier or turn did not complete within its timeout."""
+
+
+class StorageError(TinkerlessError):
+    """Object storage failed."""
+
+
+class StorageNotFound(StorageError):
+    """A key does not exist in object storage."""
+
+
+class CorruptCheckpoint(StorageError):
+    """A checkpoint failed verification against its manifest."""
+
+
+class RemoteError(TinkerlessError):
+    """An error reported by a remote function, re-raised on the client."""
+
+    def __init__(self, message: str, *, category: str = "server", remote_type: str = "", traceback: str = ""):
+        self.category = category
+        self.remote_type = remote_type
+        self.remote_traceback = traceback
+        super().__init__(message)
+
+
+def error_class_for(name: str) -> type[TinkerlessError] | None:
+    """Map an error class name received over the wire back to its class."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, TinkerlessError):
+        return cls
+    return None

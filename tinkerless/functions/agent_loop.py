@@ -1,0 +1,219 @@
+"""The agent loop: one state machine per episode, batched across episodes.
+
+PENDING → GENERATING ↔ INTERACTING → TERMINATED. Each turn, every episode
+that is GENERATING is sampled in one batch; the env then reacts to each
+sampled turn. Sampled tokens are kept exactly as sampled (mask 1, with the
+sampler's log-probs); the chat frame and env observations are appended as
+tokens with mask 0. An env or reward that raises ends only its own episode,
+which is marked `error` with the traceback and dropped from training.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import traceback as tb
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from tinkerless.envs.base import StepResult, as_step_result, check_reward
+from tinkerless.errors import DatasetError, TinkerlessError
+from tinkerless.functions.chat import ChatFormat
+from tinkerless.functions.engine import Engine
+from tinkerless.wire.messages import Episode, EpisodeLimits, SamplingParams
+
+
+class EpisodeState(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    INTERACTING = "interacting"
+    TERMINATED = "terminated"
+
+
+@dataclass
+class _Run:
+    task_index: int
+    task: dict
+    env: Any = None
+    state: EpisodeState = EpisodeState.PENDING
+    tokens: list[int] = field(default_factory=list)
+    mask: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_length: int = 0
+    transcript: list[dict] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    status: str = "ok"
+    error: str | None = None
+    traceback: str | None = None
+    info: dict = field(default_factory=dict)
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        self.status = "error"
+        self.error = f"{where}: {type(exc).__name__}: {exc}"
+        self.traceback = tb.format_exc()
+        self.state = EpisodeState.TERMINATED
+
+    def append(self, tokens: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
+        self.tokens.extend(tokens)
+        self.mask.extend([1.0 if sampled else 0.0] * len(tokens))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
+
+
+def _env_name(env_cls: Any) -> str:
+    return getattr(env_cls, "__qualname__", type(env_cls).__name__)
+
+
+def _first_messages(run: _Run, env_cls: Any, system_prompt: str | None) -> list[dict]:
+    messages: list[dict] = []
+    if env_cls is None:
+        task = run.task
+        if "messages" in task:
+            return list(task["messages"])
+        if "prompt" not in task:
+            raise DatasetError(
+                f"task {run.task_index} has no 'prompt' (keys: {sorted(task)})",
+                hint="single-turn tasks need a 'prompt' string or a 'messages' list; multi-turn tasks need an env",
+            )
+        if system_prompt:
+            messages.append({"role": "system", "content": system_prompt})
+        messages.append({"role": "user", "content": str(task["prompt"])})
+        return messages
+    env = run.env
+    system = env.system_prompt() if hasattr(env, "system_prompt") else system_prompt
+    if system:
+        messages.append({"role": "system", "content": system})
+    first = env.reset(**run.task)
+    parts = [env.initial_user_message()] if hasattr(env, "initial_user_message") else []
+    parts.append(first)
+    content = "\n\n".join(str(p) for p in parts if p)
+    messages.append({"role": "user", "content": content})
+    return messages
+
+
+def run_episodes(
+    engine: Engine,
+    chat: ChatFormat,
+    *,
+    policy: str | None,
+    tasks: list[dict],
+    group_size: int,
+    sampling: SamplingParams,
+    limits: EpisodeLimits,
+    seed: int,
+    env_cls: Any = None,
+    reward_fn: Callable | None = None,
+    system_prompt: str | None = None,
+) -> list[Episode]:
+    runs = [_Run(task_index=i, task=task) for i, task in enumerate(tasks) for _ in range(group_size)]
+    env_name = _env_name(env_cls) if env_cls is not None else None
+
+    for run in runs:  # PENDING → GENERATING
+        try:
+            if env_cls is not None:
+                run.env = env_cls()
+            messages = _first_messages(run, env_cls, system_prompt)
+        except DatasetError:
+            raise
+        except Exception as exc:
+            run.fail(f"{env_name}.reset" if env_name else "prompt", exc)
+            continue
+        run.transcript = list(messages)
+        run.append(chat.prompt_tokens(messages), sampled=False)
+        run.prompt_length = len(run.tokens)
+        run.state = EpisodeState.GENERATING
+
+    turn = 0
+    while True:
+        active = [r for r in runs if r.state is EpisodeState.GENERATING]
+        if not active:
+            break
+        budgets = [limits.max_episode_tokens - len(r.tokens) for r in active]
+        turn_sampling = SamplingParams(
+            max_tokens=max(0, min(sampling.max_tokens, max(budgets))),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+        )
+        generations = engine.generate(
+            [r.tokens for r in active], turn_sampling, policy=policy, seed=seed * 1_000_003 + turn
+        )
+        turn += 1
+        for run, generation, budget in zip(active, generations, budgets):
+            tokens, logprobs = generation.tokens[: max(budget, 0)], generation.logprobs[: max(budget, 0)]
+            run.append(tokens, sampled=True, logprobs=logprobs)
+            ended_with_eos = bool(tokens) and tokens[-1] in chat.eos_token_ids
+            text = chat.tokenizer.decode(tokens, skip_special_tokens=True)
+            run.transcript.append({"role": "assistant", "content": text})
+            run.state = EpisodeState.INTERACTING
+            _interact(run, text, ended_with_eos, env_name, chat, limits)
+
+    episodes = []
+    for run in runs:
+        if run.status != "error" and reward_fn is not None:
+            _final_reward(run, reward_fn, env_cls is None)
+        episodes.append(_to_episode(run))
+    return episodes
+
+
+def _interact(run: _Run, text: str, ended_with_eos: bool, env_name: str | None, chat: ChatFormat, limits: EpisodeLimits) -> None:
+    turns = sum(1 for m in run.transcript if m["role"] == "assistant")
+    if run.env is None:
+        run.state = EpisodeState.TERMINATED
+        return
+    try:
+        result: StepResult = as_step_result(run.env.step(text), env_name or "env")
+    except Exception as exc:
+        run.fail(f"{env_name}.step (turn {turns})", exc)
+        return
+    run.turn_rewards.append(result.reward)
+    run.info.update(result.info or {})
+    if result.done or result.observation is None:
+        run.state = EpisodeState.TERMINATED
+        return
+    if turns >= limits.max_turns:
+        run.status = "truncated"
+        run.state = EpisodeState.TERMINATED
+        return
+    observation = chat.observation_tokens(str(result.observation), ended_with_eos=ended_with_eos)
+    if len(run.tokens) + len(observation) >= limits.max_episode_tokens:
+        run.status = "truncated"
+        run.state = EpisodeState.TERMINATED
+        return
+    run.append(observation, sampled=False)
+    run.transcript.append({"role": "user", "content": str(result.observation)})
+    run.state = EpisodeState.GENERATING
+
+
+def _final_reward(run: _Run, reward_fn: Callable, single_turn: bool) -> None:
+    name = getattr(reward_fn, "__qualname__", "reward")
+    completion = run.transcript[-1]["content"] if single_turn else run.transcript
+    try:
+        value = check_reward(reward_fn(completion, run.task), name)
+    except TinkerlessError as exc:
+        run.status, run.error, run.traceback = "error", str(exc), tb.format_exc()
+        return
+    except Exception as exc:
+        run.fail(name, exc)
+        return
+    run.turn_rewards.append(value)
+
+
+def _to_episode(run: _Run) -> Episode:
+    reward = float(sum(run.turn_rewards)) if run.status != "error" else math.nan
+    return Episode(
+        task_index=run.task_index,
+        tokens=np.asarray(run.tokens, dtype=np.int32),
+        mask=np.asarray(run.mask, dtype=np.float32),
+        sampler_logprobs=np.asarray(run.logprobs, dtype=np.float32),
+        prompt_length=run.prompt_length,
+        reward=reward,
+        turn_rewards=list(run.turn_rewards),
+        num_turns=sum(1 for m in run.transcript if m["role"] == "assistant"),
+        status=run.status,
+        error=run.error,
+        traceback=run.traceback,
+        transcript=run.transcript,
+        info=run.info,
+    )

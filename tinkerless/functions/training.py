@@ -1,0 +1,135 @@
+"""Forward (per-token log-probs) and forward_backward (loss + gradients) on a batch of datums.
+
+Datums are right-padded into micro-batches; gradients accumulate across
+micro-batches and across calls until the optimizer step. Each micro-batch
+loss is rescaled so the sum equals the loss normalized over the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tinkerless.functions.losses import LossConfig, compute_loss
+from tinkerless.wire.messages import Datum
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T]
+    attention: torch.Tensor  # [B, T]
+    lengths: list[int]
+
+    def field(self, data: list[Datum], name: str) -> torch.Tensor | None:
+        values = [getattr(d, name) for d in data]
+        if any(v is None for v in values):
+            return None
+        out = torch.zeros(self.input_ids.shape, dtype=torch.float32)
+        for row, v in enumerate(values):
+            out[row, : len(v)] = torch.as_tensor(np.asarray(v, dtype=np.float32))
+        return out.to(self.input_ids.device)
+
+
+def make_batch(data: list[Datum], pad_id: int, device: torch.device) -> Batch:
+    lengths = [len(d.tokens) for d in data]
+    width = max(lengths)
+    input_ids = torch.full((len(data), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(data), width), dtype=torch.long)
+    for row, d in enumerate(data):
+        input_ids[row, : len(d.tokens)] = torch.as_tensor(np.asarray(d.tokens, dtype=np.int64))
+        attention[row, : len(d.tokens)] = 1
+    return Batch(input_ids.to(device), attention.to(device), lengths)
+
+
+def token_logprobs(model, batch: Batch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of every token given its prefix, aligned with the tokens (column 0 is 0)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention).logits[:, :-1].float()
+    targets = batch.input_ids[:, 1:]
+    picked = torch.gather(logits, 2, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logprobs = torch.nn.functional.pad(picked, (1, 0))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            logp = torch.log_softmax(logits.detach(), dim=-1)
+            entropy = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+    return logprobs, entropy
+
+
+def _micro_batches(data: list[Datum], micro_batch_size: int):
+    for start in range(0, len(data), micro_batch_size):
+        yield data[start : start + micro_batch_size]
+
+
+def forward(model, data: list[Datum], pad_id: int, micro_batch_size: int) -> list[np.ndarray]:
+    device = next(model.parameters()).device
+    out: list[np.ndarray] = []
+    with torch.no_grad():
+        for micro in _micro_batches(data, micro_batch_size):
+            batch = make_batch(micro, pad_id, device)
+            logprobs, _ = token_logprobs(model, batch)
+            out.extend(logprobs[row, :n].cpu().numpy().astype(np.float32) for row, n in enumerate(batch.lengths))
+    return out
+
+
+def _normalizer(config: LossConfig, masks: list[np.ndarray]) -> float:
+    """The denominator `compute_loss` uses for one batch, so micro-batch losses can be re-weighted."""
+    if config.normalization == "token":
+        return float(sum(m.sum() for m in masks))
+    if config.normalization == "sequence":
+        return float(sum(1 for m in masks if m.sum() > 0))
+    return 1.0  # "constant": already batch-independent
+
+
+def forward_backward(
+    model, data: list[Datum], config: LossConfig, pad_id: int, micro_batch_size: int
+) -> tuple[dict[str, float], list[np.ndarray]]:
+    """Accumulate gradients of the batch loss into the trainable parameters."""
+    config.validate()
+    device = next(model.parameters()).device
+    masks = [np.asarray(d.mask, dtype=np.float32) for d in data]
+    total = _normalizer(config, masks)
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    entropy_sum, token_count = 0.0, 0.0
+    all_logprobs: list[np.ndarray] = []
+    for micro, micro_masks in zip(_micro_batches(data, micro_batch_size), _micro_batches(masks, micro_batch_size)):
+        share = _normalizer(config, micro_masks) / total if total > 0 else 0.0
+        if share == 0.0 and config.normalization != "constant":
+            continue  # nothing trainable in this micro-batch
+        batch = make_batch(micro, pad_id, device)
+        logprobs, entropy = token_logprobs(model, batch, with_entropy=True)
+        mask = batch.field(micro, "mask")
+        loss, metrics = compute_loss(
+            config,
+            logprobs,
+            mask,
+            advantages=batch.field(micro, "advantages"),
+            sampler_logprobs=batch.field(micro, "sampler_logprobs"),
+            old_logprobs=batch.field(micro, "old_logprobs"),
+            ref_logprobs=batch.field(micro, "ref_logprobs"),
+        )
+        (loss * share).backward()
+        for key, value in metrics.items():  # token-weighted means across micro-batches
+            w = float(mask.sum()) if key != "loss" else 1.0
+            sums[key] = sums.get(key, 0.0) + (value * share if key == "loss" else value * w)
+            weights[key] = weights.get(key, 0.0) + w
+        entropy_sum += float((entropy * mask).sum())
+        token_count += float(mask.sum())
+        all_logprobs.extend(logprobs[row, :n].detach().cpu().numpy() for row, n in enumerate(batch.lengths))
+    metrics = {k: (sums[k] if k in ("loss", "tokens") else sums[k] / max(weights[k], 1e-9)) for k in sums}
+    metrics["tokens"] = token_count
+    metrics["entropy"] = entropy_sum / token_count if token_count else 0.0
+    return metrics, all_logprobs
+
+
+@contextlib.contextmanager
+def no_adapter(model):
+    """The reference model: the same weights with the LoRA adapter switched off (no second copy)."""
+    if hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            yield
+    else:
+        yield

@@ -1,0 +1,98 @@
+"""vLLM engine: the same `Engine` interface, used when vllm and a GPU are present.
+
+vLLM serves the frozen base model and hot-loads each policy's LoRA adapter
+from the directory the worker last saved it to, so weight sync moves only
+adapter bytes. Imported lazily: vllm is an optional, GPU-only extra.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from tinkerless.errors import ConfigError
+from tinkerless.functions.engine import Generation
+from tinkerless.wire.messages import SamplingParams
+
+
+def vllm_available() -> bool:
+    try:
+        import torch
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        adapter_dir: Callable[[str], str | None],
+        *,
+        max_lora_rank: int = 64,
+        gpu_memory_utilization: float = 0.5,
+    ):
+        if not vllm_available():
+            raise ConfigError(
+                "the vLLM engine needs the vllm package and a CUDA GPU",
+                hint="pip install 'tinkerless[vllm]' on a GPU machine, or use engine='transformers'",
+            )
+        from vllm import LLM
+
+        self.adapter_dir = adapter_dir  # policy -> directory with its latest PEFT adapter (or None)
+        self._lora_ids: dict[str, int] = {}
+        self.llm = LLM(
+            model=model_path,
+            enable_lora=True,
+            max_lora_rank=max_lora_rank,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=True,
+        )
+
+    def _lora_request(self, policy: str | None, version_tag: str):
+        if policy is None:
+            return None
+        path = self.adapter_dir(policy)
+        if path is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        # A new integer id per adapter version makes vLLM load the fresh weights.
+        key = f"{policy}@{version_tag}"
+        if key not in self._lora_ids:
+            self._lora_ids[key] = len(self._lora_ids) + 1
+        return LoRARequest(key, self._lora_ids[key], path)
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int, version_tag: str = "0"
+    ) -> list[Generation]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = VSamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            seed=seed,
+            logprobs=0,  # the sampled token's log-prob
+        )
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            params,
+            lora_request=self._lora_request(policy, version_tag),
+            use_tqdm=False,
+        )
+        generations = []
+        for output in outputs:
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = [
+                step[token].logprob if step and token in step else -math.inf
+                for step, token in zip(completion.logprobs or [], tokens)
+            ]
+            generations.append(Generation(tokens, logprobs, "stop" if completion.finish_reason == "stop" else "length"))
+        return generations

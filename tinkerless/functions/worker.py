@@ -1,0 +1,324 @@
+"""The worker: one base model in memory, one LoRA adapter + optimizer per policy.
+
+It exposes the GPU functions (`rollout`, `forward`, `update`, plus the
+Tinker-style primitives `sample`, `forward_backward`, `optim_step`,
+`save_state`, `load_state`) as methods on wire types, and `handle()` which
+takes and returns bytes: the single entry point every backend calls (the
+local backend in-process, the HTTP server, Modal functions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tinkerless.errors import ConfigError, TinkerlessError, UserError
+from tinkerless.functions import training
+from tinkerless.functions.agent_loop import run_episodes
+from tinkerless.functions.chat import ChatFormat
+from tinkerless.functions.engine import TransformersEngine
+from tinkerless.functions.models import load_model
+from tinkerless.wire import decode_message, encode_message, unpack_code
+from tinkerless.wire.code import CodeBlob
+from tinkerless.wire.messages import (
+    CreatePolicyRequest,
+    ErrorReply,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
+    ForwardRequest,
+    ForwardResult,
+    LoadStateRequest,
+    LoraConfig,
+    OptimStepRequest,
+    OptimStepResult,
+    PolicyState,
+    RolloutRequest,
+    RolloutResult,
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+    SaveStateRequest,
+    UpdateRequest,
+    UpdateResult,
+)
+
+BASE_POLICY = "base"  # the base model with every adapter switched off
+
+
+@dataclass
+class _Policy:
+    lora: LoraConfig
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+    version: int = 0
+
+
+class Worker:
+    METHODS = (
+        "info",
+        "create_policy",
+        "rollout",
+        "sample",
+        "forward",
+        "forward_backward",
+        "optim_step",
+        "update",
+        "save_state",
+        "load_state",
+    )
+
+    def __init__(self, model: str, *, device: str | None = None, micro_batch_size: int = 16, max_batch_size: int = 64):
+        self.model_name = model
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.base_model, self.tokenizer = load_model(model, device=self.device)
+        self.model: Any = self.base_model  # becomes a PeftModel with the first policy
+        self.chat = ChatFormat(self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.micro_batch_size = micro_batch_size
+        self.policies: dict[str, _Policy] = {}
+        self.engine = TransformersEngine(
+            self.base_model, self.tokenizer, self.chat.eos_token_ids, self._activate, max_batch_size=max_batch_size
+        )
+        self._code_cache: dict[str, Any] = {}
+
+    # ---- bytes in, bytes out -------------------------------------------------
+    def handle(self, method: str, payload: bytes) -> bytes:
+        """Run one function call from its encoded request; errors come back as an `ErrorReply`."""
+        try:
+            if method not in self.METHODS:
+                raise UserError(f"unknown function {method!r}", hint=f"one of {', '.join(self.METHODS)}")
+            request = decode_message(payload)
+            return encode_message(getattr(self, method)(request))
+        except Exception as exc:  # every failure becomes a structured reply, never a dropped connection
+            category = exc.category if isinstance(exc, TinkerlessError) else "server"
+            return encode_message(
+                ErrorReply(
+                    error=getattr(exc, "message", str(exc)),
+                    category=category,
+                    type=type(exc).__name__,
+                    traceback=traceback.format_exc(),
+                    hint=getattr(exc, "hint", None),
+                )
+            )
+
+    # ---- policies ------------------------------------------------------------
+    def info(self, _request: Any = None) -> dict:
+        return {
+            "model": self.model_name,
+            "device": self.device,
+            "engine": self.engine.name,
+            "policies": {name: p.version for name, p in self.policies.items()},
+        }
+
+    def create_policy(self, request: CreatePolicyRequest) -> dict:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        name = request.policy
+        if name in self.policies:
+            return {"policy": name, "created": False}
+        if name == BASE_POLICY or not name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"invalid policy name {name!r}", hint="use letters, digits, '-' and '_'")
+        lora = request.lora
+        config = PeftLoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        # Seed LoRA's random init so the same seed gives the same adapter.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lora.seed)
+            if not self.policies:
+                self.model = get_peft_model(self.base_model, config, adapter_name=name)
+                self.engine.model = self.model
+            else:
+                self.model.add_adapter(name, config)
+        params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
+        for p in params:
+            p.requires_grad_(True)
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        self.policies[name] = _Policy(lora=lora, params=params, optimizer=optimizer)
+        self.model.eval()  # no dropout anywhere: training and sampling see the same function
+        return {"policy": name, "created": True}
+
+    def _policy(self, name: str) -> _Policy:
+        if name not in self.policies:
+            raise UserError(
+                f"policy {name!r} does not exist on this worker",
+                hint="call create_policy first (the client does this when a run starts)",
+            )
+        return self.policies[name]
+
+    @contextlib.contextmanager
+    def _activate(self, policy: str | None):
+        if policy in (None, BASE_POLICY):
+            with training.no_adapter(self.model):
+                yield
+            return
+        self._policy(policy)
+        self.model.set_adapter(policy)
+        # set_adapter marks only the active adapter trainable; keep every policy's own flags.
+        for p in self.policies[policy].params:
+            p.requires_grad_(True)
+        yield
+
+    # ---- rollout ---------------------------------------------------------------
+    def _load_code(self, blob: CodeBlob | None) -> Any:
+        if blob is None:
+            return None
+        key = hashlib.sha256(blob.payload).hexdigest()
+        if key not in self._code_cache:
+            self._code_cache[key] = unpack_code(blob)
+        return self._code_cache[key]
+
+    def rollout(self, request: RolloutRequest) -> RolloutResult:
+        started = time.perf_counter()
+        if request.policy != BASE_POLICY:
+            self._policy(request.policy)
+        episodes = run_episodes(
+            self.engine,
+            self.chat,
+            policy=request.policy,
+            tasks=request.tasks,
+            group_size=request.group_size,
+            sampling=request.sampling,
+            limits=request.limits,
+            seed=request.seed,
+            env_cls=self._load_code(request.env),
+            reward_fn=self._load_code(request.reward),
+            system_prompt=request.system_prompt,
+        )
+        sampled = float(sum(e.mask.sum() for e in episodes))
+        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})
+
+    def sample(self, request: SampleRequest) -> SampleResult:
+        token_prompts = [
+            self.chat.prompt_tokens([{"role": "user", "content": p}]) if isinstance(p, str) else list(p)
+            for p in request.prompts
+        ]
+        prompts = [p for p in token_prompts for _ in range(request.num_samples)]
+        generations = self.engine.generate(prompts, request.sampling, policy=request.policy, seed=request.seed)
+        out: list[list[SampledSequence]] = []
+        for i in range(len(request.prompts)):
+            group = generations[i * request.num_samples : (i + 1) * request.num_samples]
+            out.append(
+                [
+                    SampledSequence(g.tokens, g.logprobs, self.tokenizer.decode(g.tokens, skip_special_tokens=True), g.stop_reason)
+                    for g in group
+                ]
+            )
+        return SampleResult(out)
+
+    # ---- forward / update ------------------------------------------------------
+    def forward(self, request: ForwardRequest) -> ForwardResult:
+        with self._activate(request.policy):
+            logprobs = training.forward(self.model, request.data, self.pad_id, self.micro_batch_size)
+        ref = None
+        if request.with_reference:
+            with self._activate(BASE_POLICY):
+                ref = training.forward(self.model, request.data, self.pad_id, self.micro_batch_size)
+        return ForwardResult(logprobs, ref)
+
+    def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
+        if not request.data:
+            raise UserError("forward_backward got an empty batch", hint="send at least one datum")
+        with self._activate(request.policy):
+            metrics, logprobs = training.forward_backward(
+                self.model, request.data, request.loss, self.pad_id, self.micro_batch_size
+            )
+        return ForwardBackwardResult(metrics, logprobs)
+
+    def optim_step(self, request: OptimStepRequest) -> OptimStepResult:
+        policy = self._policy(request.policy)
+        adam = request.adam
+        for group in policy.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
+        grads = [p.grad for p in policy.params if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        if adam.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(policy.params, adam.grad_clip_norm)
+        policy.optimizer.step()
+        policy.optimizer.zero_grad(set_to_none=True)
+        policy.version += 1
+        return OptimStepResult({"grad_norm": grad_norm, "learning_rate": adam.learning_rate}, policy.version)
+
+    def update(self, request: UpdateRequest) -> UpdateResult:
+        fb = self.forward_backward(ForwardBackwardRequest(request.policy, request.data, request.loss))
+        step = self.optim_step(OptimStepRequest(request.policy, request.adam))
+        return UpdateResult({**fb.metrics, **step.metrics}, step.policy_version)
+
+    # ---- state -----------------------------------------------------------------
+    def save_state(self, request: SaveStateRequest) -> PolicyState:
+        """The adapter in standard PEFT format (loadable by `PeftModel.from_pretrained`), optimizer and RNG."""
+        policy = self._policy(request.policy)
+        files: dict[str, bytes] = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            self.model.save_pretrained(tmp, selected_adapters=[request.policy])
+            # PEFT writes the adapter named "default" at the root and any other name in a subfolder.
+            root = tmp if request.policy == "default" else os.path.join(tmp, request.policy)
+            for name in sorted(os.listdir(root)):
+                path = os.path.join(root, name)
+                if os.path.isfile(path):
+                    with open(path, "rb") as f:
+                        files[f"adapter/{name}"] = f.read()
+        if request.include_optimizer:
+            buffer = io.BytesIO()
+            torch.save(policy.optimizer.state_dict(), buffer)
+            files["optimizer.pt"] = buffer.getvalue()
+        buffer = io.BytesIO()
+        torch.save({"torch": torch.get_rng_state(), "version": policy.version}, buffer)
+        files["worker_rng.pt"] = buffer.getvalue()
+        return PolicyState(request.policy, files, policy.version)
+
+    def load_state(self, request: LoadStateRequest) -> dict:
+        import json
+
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load as load_safetensors
+
+        state = request.state
+        files = state.files
+        try:
+            adapter_config = json.loads(files["adapter/adapter_config.json"])
+            weights = load_safetensors(files["adapter/adapter_model.safetensors"])
+        except (KeyError, ValueError) as exc:
+            raise UserError(
+                f"policy state for {state.policy!r} has no readable PEFT adapter ({exc})",
+                hint="load a state written by save_state or a PEFT adapter directory",
+            ) from exc
+        if state.policy not in self.policies:
+            lora = LoraConfig(
+                rank=adapter_config.get("r", 16),
+                alpha=adapter_config.get("lora_alpha", 32),
+                dropout=adapter_config.get("lora_dropout", 0.0),
+                target_modules=_target_modules(adapter_config),
+            )
+            self.create_policy(CreatePolicyRequest(state.policy, lora))
+        policy = self.policies[state.policy]
+        result = set_peft_model_state_dict(self.model, weights, adapter_name=state.policy)
+        missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+        if missing:
+            raise UserError(f"adapter weights do not fit the model: unexpected keys {missing[:3]}")
+        if request.include_optimizer and "optimizer.pt" in files:
+            policy.optimizer.load_state_dict(torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True))
+        if "worker_rng.pt" in files:
+            rng = torch.load(io.BytesIO(files["worker_rng.pt"]), weights_only=True)
+            torch.set_rng_state(rng["torch"])
+        policy.version = state.policy_version
+        return {"policy": state.policy, "policy_version": policy.version}
+
+
+def _target_modules(adapter_config: dict) -> str | list[str]:
+    modules = adapter_config.get("target_modules") or "all-linear"
+    return sorted(modules) if isinstance(modules, (list, set)) else modules

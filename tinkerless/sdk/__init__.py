@@ -1,0 +1,10 @@
+"""The client side: decorators, run config, task sources, the training loop and the CLI.
+
+- `decorators`: `@env`, `@reward`;
+- `config.TrainConfig`: every run setting, validated up front;
+- `tasks.TaskSource`: static lists, JSONL files, generator functions;
+- `advantages`: group-relative advantage estimators (GRPO, Dr.GRPO);
+- `client.TrainingClient`: Tinker-style primitives against any backend;
+- `backends`: where functions run (`local` in-process, through the wire codec);
+- `trainer.train`: the RL loop; `metrics`: JSONL + PNG; `cli`: `tinkerless train|runs|eval`.
+"""

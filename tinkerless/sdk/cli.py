@@ -1,0 +1,155 @@
+"""The `tinkerless` command: train, runs, eval.
+
+    tinkerless train examples/arithmetic.py [--steps 20] [--resume --run-id ID]
+    tinkerless runs [--storage DIR]
+    tinkerless eval examples/arithmetic.py --run-id ID [--step N] [--episodes 32]
+
+An example file defines a module-level `config = tinkerless.TrainConfig(...)`;
+command-line flags override its fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+from tinkerless.errors import ConfigError, TinkerlessError
+
+
+def load_config(path: str):
+    """Import a user file as a module (so its code pickles by value) and return its TrainConfig."""
+    from tinkerless.sdk.config import TrainConfig
+
+    file = Path(path)
+    if not file.exists():
+        raise ConfigError(f"{path} does not exist", hint="pass the path to a Python file defining `config`")
+    name = file.stem.replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # cloudpickle needs the module registered to ship it by value
+    sys.path.insert(0, str(file.parent.resolve()))
+    spec.loader.exec_module(module)
+    config = getattr(module, "config", None)
+    if not isinstance(config, TrainConfig):
+        found = [k for k, v in vars(module).items() if isinstance(v, TrainConfig)]
+        if len(found) != 1:
+            raise ConfigError(
+                f"{path} must define `config = tinkerless.TrainConfig(...)`",
+                hint="see examples/arithmetic.py",
+            )
+        config = getattr(module, found[0])
+    return config
+
+
+_OVERRIDES = {
+    "steps": int,
+    "model": str,
+    "backend": str,
+    "storage": str,
+    "run_id": str,
+    "seed": int,
+    "batch_size": int,
+    "group_size": int,
+    "max_tokens": int,
+    "learning_rate": float,
+    "checkpoint_every": int,
+    "temperature": float,
+    "loss": str,
+    "algo": str,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinkerless", description="RL-train LLM agents from plain Python.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train the config defined in a Python file")
+    train.add_argument("file")
+    for name, kind in _OVERRIDES.items():
+        train.add_argument(f"--{name.replace('_', '-')}", type=kind, dest=name)
+    train.add_argument("--resume", action="store_true", help="continue a run from its latest checkpoint")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    runs = sub.add_parser("runs", help="list runs in a storage location")
+    runs.add_argument("--storage", default=".")
+
+    evaluate = sub.add_parser("eval", help="run the env with a saved adapter, no training")
+    evaluate.add_argument("file")
+    evaluate.add_argument("--run-id", help="evaluate this run's checkpoint (default: the base model)")
+    evaluate.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    evaluate.add_argument("--adapter", help="a PEFT adapter directory instead of a run checkpoint")
+    evaluate.add_argument("--storage", default=None)
+    evaluate.add_argument("--model", default=None)
+    evaluate.add_argument("--episodes", type=int, default=32)
+    evaluate.add_argument("--temperature", type=float, default=None)
+    evaluate.add_argument("--seed", type=int, default=12345)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+        if args.command == "runs":
+            return _runs(args)
+        return _eval(args)
+    except TinkerlessError as exc:
+        print(f"tinkerless: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tinkerless: interrupted; resume with --resume --run-id <id>", file=sys.stderr)
+        return 130
+
+
+def _train(args) -> int:
+    from tinkerless.sdk.trainer import train
+
+    config = load_config(args.file)
+    changes = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
+    if args.resume:
+        changes["resume"] = True
+    if args.no_progress:
+        changes["progress"] = False
+    train(config.replace(**changes))
+    return 0
+
+
+def _runs(args) -> int:
+    from tinkerless.coordinator import list_runs
+    from tinkerless.storage import ObjectStore
+
+    runs = list_runs(ObjectStore(args.storage))
+    if not runs:
+        print(f"no runs in {args.storage}")
+        return 0
+    print(f"{'RUN':<40} {'STATUS':<9} {'STEP':>9} {'REWARD first3→last3':>22} {'CHECKPOINT':>10}")
+    for run in runs:
+        total = run.config.get("steps", "?")
+        s = run.summary
+        reward = f"{_fmt(s.get('reward_first3'))} → {_fmt(s.get('reward_last3'))}" if "reward_last3" in s else "-"
+        ckpt = "-" if run.last_checkpoint_step is None else f"step-{run.last_checkpoint_step}"
+        print(f"{run.run_id:<40} {run.status:<9} {f'{run.step}/{total}':>9} {reward:>22} {ckpt:>10}")
+    return 0
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+
+
+def _eval(args) -> int:
+    from tinkerless.sdk.evaluate import evaluate
+
+    config = load_config(args.file)
+    changes = {k: v for k, v in (("storage", args.storage), ("model", args.model), ("temperature", args.temperature)) if v}
+    config = config.replace(**changes)
+    report = evaluate(config, run_id=args.run_id, step=args.step, adapter=args.adapter, episodes=args.episodes, seed=args.seed)
+    print(report.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

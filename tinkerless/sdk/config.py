@@ -1,0 +1,116 @@
+"""Run configuration: one dataclass, validated before anything expensive starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tinkerless.errors import ConfigError
+from tinkerless.functions.losses import LOSS_NAMES, LossConfig
+from tinkerless.sdk.advantages import AdvantageConfig
+
+# algo -> (advantage estimator, default loss normalization)
+ALGORITHMS = {
+    "grpo": ("grpo", "sequence"),  # std-normalized advantages, sequence-mean of token-means
+    "dr_grpo": ("dr_grpo", "constant"),  # no std, no length normalization
+}
+BACKENDS = ("local", "modal", "sky")
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    model: str = "smollm2"
+    env: type | None = None
+    reward: Callable | None = None
+    tasks: Any = None  # list of dicts | JSONL path | generator(rng) -> dict
+    system_prompt: str | None = None
+    name: str = "run"
+    # algorithm
+    algo: str = "grpo"
+    loss: str = "importance_sampling"
+    normalization: str | None = None  # token | sequence | constant; None = the algo's default
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float | None = None  # truncated IS correction for sampler/trainer mismatch
+    kl_coef: float = 0.0  # KL to the base model (adapter off)
+    learning_rate: float = 5e-4
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    # batch and sampling
+    steps: int = 10
+    batch_size: int = 8  # tasks per step
+    group_size: int = 4  # episodes per task
+    max_tokens: int = 32  # per turn
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_turns: int = 1
+    max_episode_tokens: int = 1024
+    # run management
+    seed: int = 0
+    backend: str = "local"
+    storage: str = "."
+    run_id: str | None = None
+    resume: bool = False
+    checkpoint_every: int = 5
+    keep_checkpoints: int | None = 3
+    on_env_error: str = "skip"  # skip | raise
+    micro_batch_size: int = 16
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.algo not in ALGORITHMS:
+            raise ConfigError(f"unknown algo {self.algo!r}", hint=f"one of {', '.join(ALGORITHMS)}")
+        if self.loss not in LOSS_NAMES:
+            raise ConfigError(f"unknown loss {self.loss!r}", hint=f"one of {', '.join(LOSS_NAMES)}")
+        if self.on_env_error not in ("skip", "raise"):
+            raise ConfigError(f"on_env_error must be 'skip' or 'raise', got {self.on_env_error!r}")
+        for name in ("steps", "batch_size", "group_size", "max_tokens", "max_turns", "checkpoint_every", "lora_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.env is None and self.reward is None:
+            raise ConfigError(
+                "a run needs an env, a reward, or both", hint="pass env=MyEnv and/or reward=my_reward"
+            )
+        if self.tasks is None:
+            raise ConfigError("a run needs tasks", hint="tasks=[{...}], a JSONL path, or a generator function")
+        if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", self.run_id):
+            raise ConfigError(f"invalid run_id {self.run_id!r}", hint="letters, digits, '.', '_' and '-'")
+        self.loss_config().validate()
+        self.advantage_config().validate()
+
+    def loss_config(self) -> LossConfig:
+        normalization = self.normalization or ALGORITHMS[self.algo][1]
+        constant = float(self.max_tokens * self.max_turns * self.batch_size * self.group_size)
+        return LossConfig(
+            name=self.loss,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            normalization=normalization,
+            normalization_constant=constant if normalization == "constant" else None,
+            tis_cap=self.tis_cap,
+            kl_coef=self.kl_coef,
+        )
+
+    def advantage_config(self) -> AdvantageConfig:
+        return AdvantageConfig(estimator=ALGORITHMS[self.algo][0])
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {sorted(unknown)}", hint="see tinkerless.TrainConfig for the fields")
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> dict:
+        """The plain-data part of the config (user code replaced by its name), for run state."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("env", "reward", "tasks") and value is not None and not isinstance(value, (str, int, float)):
+                value = getattr(value, "__qualname__", type(value).__name__)
+            out[f.name] = value
+        return out

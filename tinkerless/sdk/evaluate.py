@@ -1,0 +1,88 @@
+"""`evaluate()`: run an env with a saved adapter (or the base model) and no training."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tinkerless.coordinator import checkpoint_prefix
+from tinkerless.errors import UserError
+from tinkerless.sdk.backends import make_backend
+from tinkerless.sdk.client import TrainingClient
+from tinkerless.sdk.config import TrainConfig
+from tinkerless.sdk.tasks import TaskSource
+from tinkerless.storage import CheckpointStore, ObjectStore
+from tinkerless.wire import pack_code
+from tinkerless.wire.messages import EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
+
+
+@dataclass
+class EvalReport:
+    source: str
+    rewards: list[float]
+    errors: int
+    samples: list[str] = field(default_factory=list)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else math.nan
+
+    def describe(self) -> str:
+        lines = [f"{self.source}: mean reward {self.mean:.3f} over {len(self.rewards)} episodes ({self.errors} failed)"]
+        lines += [f"  sample: {s!r}" for s in self.samples[:3]]
+        return "\n".join(lines)
+
+
+def load_policy_state(config: TrainConfig, *, run_id: str | None, step: int | None, adapter: str | None) -> PolicyState | None:
+    if adapter:
+        directory = Path(adapter)
+        files = {f"adapter/{p.name}": p.read_bytes() for p in directory.iterdir() if p.is_file()}
+        if "adapter/adapter_config.json" not in files:
+            raise UserError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
+        return PolicyState("default", files)
+    if run_id is None:
+        return None
+    checkpoints = CheckpointStore(ObjectStore(config.storage), checkpoint_prefix(run_id))
+    checkpoint = checkpoints.load(step) if step is not None else checkpoints.load_latest()
+    if checkpoint is None:
+        raise UserError(f"run {run_id!r} has no valid checkpoint in {config.storage}", hint="see `tinkerless runs`")
+    version = json.loads(checkpoint.files.pop("client.json", b"{}") or b"{}").get("policy_version", 0)
+    return PolicyState("default", checkpoint.files, version)
+
+
+def evaluate(
+    config: TrainConfig,
+    *,
+    run_id: str | None = None,
+    step: int | None = None,
+    adapter: str | None = None,
+    episodes: int = 32,
+    seed: int = 12345,
+) -> EvalReport:
+    state = load_policy_state(config, run_id=run_id, step=step, adapter=adapter)
+    backend = make_backend(config.backend, config.model)
+    policy = "base"
+    if state is not None:
+        client = TrainingClient(backend, "default", create=False)
+        client.load_state(state, include_optimizer=False)
+        policy = "default"
+    client = TrainingClient(backend, policy, create=False)
+    tasks, _ = TaskSource(config.tasks, seed=seed).batch(0, episodes)
+    result = client.rollout(
+        RolloutRequest(
+            policy=policy,
+            tasks=tasks,
+            group_size=1,
+            sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p),
+            limits=EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens),
+            seed=seed,
+            env=pack_code(config.env) if config.env else None,
+            reward=pack_code(config.reward) if config.reward else None,
+            system_prompt=config.system_prompt,
+        )
+    )
+    ok = [e for e in result.episodes if e.status != "error"]
+    source = f"run {run_id}" + (f" step {step}" if step is not None else "") if run_id else (adapter or f"base model {config.model}")
+    return EvalReport(source, [e.reward for e in ok], len(result.episodes) - len(ok), [e.transcript[-1]["content"] for e in ok])

@@ -1,0 +1,155 @@
+"""Training metrics as JSON lines, plus a PNG plot of reward and loss.
+
+One JSON object per line, each with a "step" key. The file is append-only
+except for `truncate_after`, which a resumed run uses so no step appears twice.
+matplotlib is imported lazily so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends one JSON line per `log` call to `path`, flushed immediately."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(self.path)
+
+    def log(self, record: dict) -> None:
+        line = json.dumps(_jsonable(record), allow_nan=False, separators=(",", ":"))
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+            handle.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records whose step is greater than `step` (records without a step are kept)."""
+        kept = [r for r in read_metrics(self.path) if not (isinstance(r.get("step"), (int, float)) and r["step"] > step)]
+        # Rewrite via a temp file + rename so a crash here never leaves a half-written file.
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                for record in kept:
+                    handle.write(json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All records in `path` (empty if it does not exist), skipping a torn last line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records: list[dict] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            # The last line may be torn by a process killed mid-write; that is expected.
+            if number != len(lines):
+                warnings.warn(f"{path}:{number}: skipping a line that is not valid JSON", stacklevel=2)
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str | None = None) -> str:
+    """Plot reward (mean ± std band) and loss against step; extra panels for win_rate/kl if logged."""
+    # Figure + Agg canvas directly: no pyplot global state, works headless.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = [r for r in read_metrics(metrics_path) if isinstance(r.get("step"), (int, float))]
+    records.sort(key=lambda r: r["step"])
+    steps = [r["step"] for r in records]
+
+    def series(key: str) -> list[float]:
+        return [_as_float(r.get(key)) for r in records]
+
+    panels = ["reward_mean", "loss"] + [k for k in ("win_rate", "kl") if any(k in r for r in records)]
+    fig = Figure(figsize=(7, 2.4 * len(panels)), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+
+    for ax, key in zip(axes, panels):
+        values = series(key)
+        ax.set_ylabel(key)
+        ax.grid(True, alpha=0.3)
+        if not any(math.isfinite(v) for v in values):
+            ax.text(0.5, 0.5, f"no {key} logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+            continue
+        ax.plot(steps, values, marker="o", markersize=3, linewidth=1.5)
+        if key == "reward_mean":
+            std = [s if math.isfinite(s) else 0.0 for s in series("reward_std")]
+            low = [m - s for m, s in zip(values, std)]
+            high = [m + s for m, s in zip(values, std)]
+            ax.fill_between(steps, low, high, alpha=0.25, label="± reward_std")
+            ax.legend(loc="best", fontsize="small")
+    axes[-1].set_xlabel("step")
+    if title:
+        fig.suptitle(title)
+
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, format="png", dpi=100)
+    return str(png_path)
+
+
+def _jsonable(value: Any) -> Any:
+    """Convert numpy/torch scalars and containers to plain JSON; non-finite floats -> None."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    # numpy scalars, 0-d arrays and one-element torch tensors all expose .item().
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return _jsonable(item())
+        except (ValueError, RuntimeError):
+            pass
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return _jsonable(tolist())
+    return str(value)
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return math.nan
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a partial last line (no trailing newline) so the next record starts on its own line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as handle:
+        data = handle.read()
+        if data.endswith(b"\n"):
+            return
+        tail_start = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[tail_start:])
+        except ValueError:
+            handle.truncate(tail_start)  # torn: drop it
+        else:
+            handle.write(b"\n")  # complete record that only lacks its newline: keep it

@@ -1,0 +1,40 @@
+"""A tqdm progress bar with live reward, loss and tokens/s."""
+
+from __future__ import annotations
+
+import math
+
+
+class Progress:
+    def __init__(self, total: int, initial: int = 0, *, enabled: bool = True, description: str = ""):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=description, unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict) -> None:
+        if self.bar is None:
+            return
+        self.bar.set_postfix(
+            reward=_fmt(record.get("reward_mean")),
+            loss=_fmt(record.get("loss")),
+            tok_s=_fmt(record.get("tokens_per_s"), 1),
+            err=record.get("episodes_error", 0),
+            refresh=False,
+        )
+        self.bar.update(1)
+
+    def write(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.write(message)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"

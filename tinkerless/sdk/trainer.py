@@ -1,0 +1,322 @@
+"""`train()`: the RL loop, driven from the client, identical for every backend.
+
+Per step: rollout (functions) → group-relative advantages (client) →
+optional forward for TIS/KL (functions) → update (functions) → commit
+(coordinator) → metrics and, every N steps, a verified checkpoint (storage).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs
+from tinkerless.errors import ConfigError, EnvError, UserError
+from tinkerless.sdk.advantages import group_advantages
+from tinkerless.sdk.backends import Backend, make_backend
+from tinkerless.sdk.client import TrainingClient
+from tinkerless.sdk.config import TrainConfig
+from tinkerless.sdk.metrics import MetricsWriter, plot_metrics, read_metrics
+from tinkerless.sdk.progress import Progress
+from tinkerless.sdk.tasks import TaskSource
+from tinkerless.storage import CheckpointStore, ObjectStore
+from tinkerless.wire import pack_code
+from tinkerless.wire.messages import (
+    AdamParams,
+    Datum,
+    Episode,
+    EpisodeLimits,
+    LoraConfig,
+    PolicyState,
+    RolloutRequest,
+    SamplingParams,
+)
+
+CLIENT_STATE_FILE = "client.json"
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_dir: Path
+    metrics: list[dict] = field(default_factory=list)
+    last_checkpoint_step: int | None = None
+    plot_path: Path | None = None
+
+
+def train(config: TrainConfig | None = None, *, backend: Backend | str | None = None, **settings: Any) -> RunResult:
+    """Train a policy by RL. `train(model=..., env=..., reward=..., tasks=..., steps=...)` or `train(config)`."""
+    if config is None:
+        config = TrainConfig(**{k: v for k, v in settings.items() if k != "backend"})
+    elif settings:
+        config = config.replace(**settings)
+    if isinstance(backend, str):
+        config = config.replace(backend=backend)
+    config.validate()
+    return _Run(config, backend if not isinstance(backend, (str, type(None))) else None).run()
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
+class _Run:
+    def __init__(self, config: TrainConfig, backend: Backend | None):
+        self.config = config
+        # Package user code first: an unpicklable env fails here, before any model loads.
+        self.env_code = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
+        self.reward_code = (
+            pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
+        )
+        self.tasks = TaskSource(config.tasks, seed=config.seed)
+        self.store = ObjectStore(config.storage)
+        self.coordinator, start = self._open_run()
+        self.run_id = self.coordinator.run_id
+        self.checkpoints = CheckpointStore(self.store, checkpoint_prefix(self.run_id), keep_last=config.keep_checkpoints)
+        self.run_dir = self._run_dir()
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+        self.backend = backend or make_backend(config.backend, config.model, micro_batch_size=config.micro_batch_size)
+        lora = LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
+        self.client = TrainingClient(self.backend, policy="default", lora=lora)
+        self.cursor = 0
+        self.step = 0
+        if start:
+            self._restore()
+
+    def _open_run(self) -> tuple[Coordinator, bool]:
+        config = self.config
+        if config.resume:
+            run_id = config.run_id or _latest_run_id(self.store, config.name)
+            return Coordinator.open(self.store, run_id), True
+        run_id = config.run_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16**4):04x}"
+        return Coordinator.create(self.store, run_id, config.summary()), False
+
+    def _run_dir(self) -> Path:
+        key = f"runs/{self.run_id}"
+        local = self.store.local_path(key)
+        path = Path(local) if local else Path("runs") / self.run_id
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # ---- checkpoints -----------------------------------------------------------
+    def _restore(self) -> None:
+        checkpoint = self.checkpoints.load_latest()
+        if checkpoint is None:
+            self._say(f"run {self.run_id}: no valid checkpoint, starting from step 0")
+            self.coordinator.reset_to_checkpoint(0)
+            self.metrics.truncate_after(-1)
+            return
+        client_state = json.loads(checkpoint.files.pop(CLIENT_STATE_FILE))
+        self.client.load_state(PolicyState("default", checkpoint.files, client_state["policy_version"]))
+        self.step, self.cursor = client_state["step"], client_state["cursor"]
+        random.setstate(_tuplify(client_state["python_random"]))
+        np.random.set_state(tuple(client_state["numpy_random"][:1]) + (np.array(client_state["numpy_random"][1], dtype=np.uint32),) + tuple(client_state["numpy_random"][2:]))
+        self.coordinator.reset_to_checkpoint(self.step)
+        self.metrics.truncate_after(self.step - 1)
+        self._say(f"run {self.run_id}: resumed from checkpoint step-{self.step}")
+
+    def _save_checkpoint(self, policy_version: int) -> None:
+        state = self.client.save_state()
+        numpy_state = np.random.get_state()
+        client_state = {
+            "step": self.step,
+            "cursor": self.cursor,
+            "policy_version": policy_version,
+            "python_random": random.getstate(),
+            "numpy_random": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+        }
+        files = dict(state.files)
+        files[CLIENT_STATE_FILE] = json.dumps(client_state).encode()
+        self.checkpoints.save(self.step, files, {"run_id": self.run_id, "policy_version": policy_version})
+        self.coordinator.record_checkpoint(self.step)
+
+    # ---- the loop ----------------------------------------------------------------
+    def run(self) -> RunResult:
+        config = self.config
+        progress = Progress(total=config.steps, initial=self.step, enabled=config.progress, description=self.run_id)
+        policy_version = self.step
+        try:
+            while self.step < config.steps:
+                record = self._train_step()
+                policy_version = record["policy_version"]
+                started = time.perf_counter()
+                self.step += 1
+                if self.step % config.checkpoint_every == 0 or self.step == config.steps:
+                    self._save_checkpoint(policy_version)
+                record["storage_s"] += time.perf_counter() - started
+                self.metrics.log(record)
+                progress.update(record)
+                for error in record.get("errors", [])[:1]:
+                    progress.write(f"step {record['step']}: episode dropped: {error['error']}")
+        except BaseException:
+            self.coordinator.finish("failed")
+            progress.close()
+            raise
+        progress.close()
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
+        self.coordinator.finish("finished", _summary(records))
+        self.backend.close()
+        result = RunResult(self.run_id, self.run_dir, records, self.checkpoints.latest_step(), Path(plot))
+        self._say(_final_report(result))
+        return result
+
+    def _train_step(self) -> dict:
+        config, step = self.config, self.step
+        timings = {"rollout_s": 0.0, "forward_s": 0.0, "update_s": 0.0, "storage_s": 0.0}
+        started = time.perf_counter()
+        self.coordinator.begin_rollout(step)
+        tasks, self.cursor = self.tasks.batch(self.cursor, config.batch_size)
+        request = RolloutRequest(
+            policy="default",
+            tasks=tasks,
+            group_size=config.group_size,
+            sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p),
+            limits=EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens),
+            seed=_step_seed(config.seed, step),
+            env=self.env_code,
+            reward=self.reward_code,
+            system_prompt=config.system_prompt,
+        )
+        rollout = self.client.rollout(request)
+        timings["rollout_s"] = time.perf_counter() - started
+        self.coordinator.submit_rollout(step, "default")
+        episodes = rollout.episodes
+        errors = [e for e in episodes if e.status == "error"]
+        if errors and (config.on_env_error == "raise" or len(errors) == len(episodes)):
+            first = errors[0]
+            raise EnvError(
+                f"{len(errors)} of {len(episodes)} episodes failed at step {step}; first: {first.error}\n{first.traceback or ''}",
+                hint="fix the env/reward; with on_env_error='skip' failing episodes are dropped and the run goes on"
+                if config.on_env_error == "raise"
+                else "every episode failed, so there is nothing to train on; fix the env/reward",
+            )
+        data = self._datums([e for e in episodes if e.status != "error"])
+
+        if data and (config.tis_cap is not None or config.kl_coef > 0):
+            t = time.perf_counter()
+            forward = self.client.forward(data, with_reference=config.kl_coef > 0)
+            for i, datum in enumerate(data):
+                datum.old_logprobs = forward.logprobs[i]
+                if forward.ref_logprobs is not None:
+                    datum.ref_logprobs = forward.ref_logprobs[i]
+            timings["forward_s"] = time.perf_counter() - t
+
+        self.coordinator.begin_update(step)
+        t = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if data:
+            adam = AdamParams(
+                learning_rate=config.learning_rate, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm
+            )
+            update = self.client.update(data, config.loss_config(), adam)
+            metrics, policy_version = update.metrics, update.policy_version
+        else:  # every group had equal rewards: no signal, no step
+            policy_version = self.coordinator.state.policy_version
+        timings["update_s"] = time.perf_counter() - t
+        self.coordinator.commit_update(step, {"reward_mean": _mean([e.reward for e in episodes if e.status != "error"])})
+        return _step_record(step, episodes, metrics, timings, policy_version, len(data), time.perf_counter() - started)
+
+    def _datums(self, episodes: list[Episode]) -> list[Datum]:
+        if not episodes:
+            return []
+        advantages = group_advantages([e.reward for e in episodes], [e.task_index for e in episodes], self.config.advantage_config())
+        data = []
+        for episode, advantage in zip(episodes, advantages):
+            if advantage == 0.0 or episode.mask.sum() == 0:
+                continue  # contributes no gradient
+            data.append(
+                Datum(
+                    tokens=episode.tokens,
+                    mask=episode.mask,
+                    advantages=(episode.mask * advantage).astype(np.float32),
+                    sampler_logprobs=episode.sampler_logprobs,
+                )
+            )
+        return data
+
+    def _say(self, message: str) -> None:
+        if self.config.progress:
+            print(message, flush=True)
+
+
+def _step_record(step, episodes, metrics, timings, policy_version, trained, seconds) -> dict:
+    ok = [e for e in episodes if e.status != "error"]
+    rewards = [e.reward for e in ok]
+    sampled = float(sum(e.mask.sum() for e in episodes))
+    record = {
+        "step": step,
+        "reward_mean": _mean(rewards),
+        "reward_std": float(np.std(rewards)) if rewards else math.nan,
+        "loss": metrics.get("loss", math.nan),
+        "kl": metrics.get("kl", math.nan),
+        "entropy": metrics.get("entropy", math.nan),
+        "grad_norm": metrics.get("grad_norm", math.nan),
+        "clip_fraction": metrics.get("clip_fraction", math.nan),
+        "sampled_tokens": sampled,
+        "trained_tokens": metrics.get("tokens", 0.0),
+        "tokens_per_s": sampled / max(timings["rollout_s"], 1e-9),
+        "episodes": len(episodes),
+        "episodes_error": len(episodes) - len(ok),
+        "episodes_truncated": sum(e.status == "truncated" for e in episodes),
+        "trained_sequences": trained,
+        "turns_mean": _mean([e.num_turns for e in ok]),
+        "policy_version": policy_version,
+        "step_s": seconds,
+        **timings,
+    }
+    errors = [e for e in episodes if e.status == "error"]
+    if errors:
+        record["errors"] = [{"task_index": e.task_index, "error": e.error, "traceback": e.traceback} for e in errors[:5]]
+    sample = next((e for e in ok), None)
+    if sample is not None:
+        record["sample"] = sample.transcript[-1]["content"][:200]
+    return record
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(np.mean(values)) if values else math.nan
+
+
+def _summary(records: list[dict]) -> dict:
+    rewards = [r["reward_mean"] for r in records if r.get("reward_mean") is not None]
+    return {
+        "steps": len(records),
+        "reward_first3": _mean(rewards[:3]) if rewards else None,
+        "reward_last3": _mean(rewards[-3:]) if rewards else None,
+    }
+
+
+def _final_report(result: RunResult) -> str:
+    s = _summary(result.metrics)
+    fmt = lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
+    return (
+        f"run {result.run_id} finished: reward first 3 steps {fmt(s['reward_first3'])} → last 3 steps {fmt(s['reward_last3'])}\n"
+        f"  metrics: {result.run_dir / 'metrics.jsonl'}\n  plot:    {result.plot_path}\n"
+        f"  checkpoint: step-{result.last_checkpoint_step} (resume with --resume --run-id {result.run_id})"
+    )
+
+
+def _latest_run_id(store: ObjectStore, name: str) -> str:
+    runs = [r for r in list_runs(store) if r.config.get("name") == name]
+    if not runs:
+        raise UserError(
+            f"no run named {name!r} to resume in {store.url}",
+            hint="pass run_id=... (see `tinkerless runs`) or drop resume to start a new run",
+        )
+    return runs[0].run_id
+
+
+def _tuplify(value: Any) -> Any:
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
+
+
+__all__ = ["RunResult", "train", "ConfigError"]

@@ -1,0 +1,21 @@
+"""The wire: wire types (dataclasses) and the msgpack/cloudpickle codec every backend uses.
+
+- `encode_message` / `decode_message`: versioned msgpack envelopes with compact arrays.
+- `pack_code` / `unpack_code`: user code by value (cloudpickle) in `CodeBlob` fields.
+- `messages`: the requests and replies of the rollout, forward and update functions.
+"""
+
+from tinkerless.wire.code import CodeBlob, pack_code, unpack_code
+from tinkerless.wire.codec import PROTOCOL_VERSION, PYTHON_VERSION, decode, decode_message, encode, encode_message
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "PYTHON_VERSION",
+    "CodeBlob",
+    "decode",
+    "decode_message",
+    "encode",
+    "encode_message",
+    "pack_code",
+    "unpack_code",
+]

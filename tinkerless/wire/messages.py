@@ -1,0 +1,205 @@
+"""Wire types: the plain-data requests and replies of the rollout, forward and update functions.
+
+Per-token arrays in a `Datum` are aligned with `tokens`: entry i describes
+token i as a prediction target (entry 0 is never trained, it has no prefix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tinkerless.wire.code import CodeBlob
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+    seed: int = 0
+
+
+@dataclass
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping
+
+
+@dataclass
+class EpisodeLimits:
+    max_turns: int = 1
+    max_episode_tokens: int = 1024
+
+
+@dataclass
+class CreatePolicyRequest:
+    policy: str
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class RolloutRequest:
+    policy: str
+    tasks: list[dict]
+    group_size: int
+    sampling: SamplingParams
+    limits: EpisodeLimits
+    seed: int
+    env: CodeBlob | None = None
+    reward: CodeBlob | None = None
+    system_prompt: str | None = None
+
+
+@dataclass
+class Episode:
+    task_index: int
+    tokens: np.ndarray  # int32 [N]: prompt, sampled turns and observations
+    mask: np.ndarray  # float32 [N]: 1 on sampled tokens
+    sampler_logprobs: np.ndarray  # float32 [N]: 0 where mask is 0
+    prompt_length: int
+    reward: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)
+    num_turns: int = 0
+    status: str = "ok"  # ok | truncated | error
+    error: str | None = None
+    traceback: str | None = None
+    transcript: list[dict] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class RolloutResult:
+    episodes: list[Episode]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Datum:
+    tokens: np.ndarray  # int32 [N]
+    mask: np.ndarray  # float32 [N]
+    advantages: np.ndarray | None = None  # float32 [N]
+    sampler_logprobs: np.ndarray | None = None  # float32 [N]
+    old_logprobs: np.ndarray | None = None  # float32 [N], trainer log-probs of the sampling policy (TIS)
+    ref_logprobs: np.ndarray | None = None  # float32 [N], base model log-probs (KL)
+
+
+@dataclass
+class ForwardRequest:
+    policy: str
+    data: list[Datum]
+    with_reference: bool = False
+
+
+@dataclass
+class ForwardResult:
+    logprobs: list[np.ndarray]
+    ref_logprobs: list[np.ndarray] | None = None
+
+
+@dataclass
+class ForwardBackwardRequest:
+    policy: str
+    data: list[Datum]
+    loss: Any  # tinkerless.functions.losses.LossConfig
+
+
+@dataclass
+class ForwardBackwardResult:
+    metrics: dict[str, float]
+    logprobs: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class OptimStepRequest:
+    policy: str
+    adam: AdamParams = field(default_factory=AdamParams)
+
+
+@dataclass
+class OptimStepResult:
+    metrics: dict[str, float]
+    policy_version: int
+
+
+@dataclass
+class UpdateRequest:
+    """forward_backward followed by optim_step, in one round trip."""
+
+    policy: str
+    data: list[Datum]
+    loss: Any
+    adam: AdamParams = field(default_factory=AdamParams)
+
+
+@dataclass
+class UpdateResult:
+    metrics: dict[str, float]
+    policy_version: int
+
+
+@dataclass
+class SampleRequest:
+    policy: str
+    prompts: list[list[int] | str]  # token ids, or a string sent as one user message
+    num_samples: int = 1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    stop_reason: str  # stop | length
+
+
+@dataclass
+class SampleResult:
+    sequences: list[list[SampledSequence]]  # [prompt][sample]
+
+
+@dataclass
+class PolicyState:
+    """A policy's adapter (PEFT files), optimizer and RNG state, as named files."""
+
+    policy: str
+    files: dict[str, bytes]
+    policy_version: int = 0
+
+
+@dataclass
+class SaveStateRequest:
+    policy: str
+    include_optimizer: bool = True
+
+
+@dataclass
+class LoadStateRequest:
+    state: PolicyState
+    include_optimizer: bool = True
+
+
+@dataclass
+class ErrorReply:
+    error: str
+    category: str  # user | server
+    type: str
+    traceback: str = ""
+    hint: str | None = None
