@@ -1,0 +1,93 @@
+"""A run killed with SIGKILL and resumed from its checkpoint ends with exactly the adapter of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load as load_safetensors
+
+STEPS = 6
+CLI = [sys.executable, "-m", "tinkerless.sdk.cli"]
+
+
+@pytest.fixture()
+def example(tmp_path, tiny_model) -> Path:
+    path = tmp_path / "resumable.py"
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            import tinkerless
+
+            @tinkerless.reward
+            def vowels(completion, task):
+                return sum(c in "aeiou" for c in completion) / max(len(completion), 1)
+
+            config = tinkerless.TrainConfig(
+                name="resumable", model={tiny_model!r}, reward=vowels,
+                tasks=lambda rng: {{"prompt": "say " + str(rng.randint(0, 99))}},
+                steps={STEPS}, batch_size=2, group_size=4, max_tokens=8, temperature=1.0,
+                learning_rate=1e-2, checkpoint_every=1, keep_checkpoints=None, seed=7,
+            )
+            """
+        )
+    )
+    return path
+
+
+def _train(example: Path, storage: Path, *extra: str, wait: bool = True) -> subprocess.Popen:
+    cmd = [*CLI, "train", str(example), "--storage", str(storage), "--run-id", "r", "--no-progress", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # same thread count in every run: same float sums
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if wait:
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out
+    return proc
+
+
+def _final_adapter(storage: Path) -> dict:
+    data = (storage / "runs/r/checkpoints" / f"step-{STEPS}" / "adapter/adapter_model.safetensors").read_bytes()
+    return load_safetensors(data)
+
+
+def _latest(storage: Path) -> int:
+    try:
+        return json.loads((storage / "runs/r/checkpoints/latest").read_text())["step"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return 0
+
+
+def test_sigkill_and_resume_equals_uninterrupted(tmp_path, example):
+    straight = tmp_path / "straight"
+    _train(example, straight)
+
+    killed = tmp_path / "killed"
+    proc = _train(example, killed, wait=False)
+    deadline = time.monotonic() + 300
+    while _latest(killed) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # land somewhere inside the next step
+    assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert 3 <= _latest(killed) < STEPS
+
+    _train(example, killed, "--resume")
+
+    expected, actual = _final_adapter(straight), _final_adapter(killed)
+    assert expected.keys() == actual.keys() and expected
+    for name in expected:
+        assert (expected[name] == actual[name]).all(), f"{name} differs after resume"
+
+    steps = [json.loads(line)["step"] for line in (killed / "runs/r/metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(STEPS)), "metrics must hold every step exactly once"
+    straight_rewards = [json.loads(l)["reward_mean"] for l in (straight / "runs/r/metrics.jsonl").read_text().splitlines()]
+    killed_rewards = [json.loads(l)["reward_mean"] for l in (killed / "runs/r/metrics.jsonl").read_text().splitlines()]
+    assert straight_rewards == killed_rewards
