@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,9 @@ from tinkerless.wire.messages import (
     UpdateRequest,
     UpdateResult,
 )
+
+# transformers 5 warns about its own internal call when peft wraps a model; it is not actionable.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 BASE_POLICY = "base"  # the base model with every adapter switched off
 

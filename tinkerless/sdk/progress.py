@@ -18,7 +18,7 @@ class Progress:
             return
         self.bar.set_postfix(
             reward=_fmt(record.get("reward_mean")),
-            loss=_fmt(record.get("loss")),
+            loss=_fmt(record.get("loss"), 3, "g"),
             tok_s=_fmt(record.get("tokens_per_s"), 1),
             err=record.get("episodes_error", 0),
             refresh=False,
@@ -34,7 +34,7 @@ class Progress:
             self.bar.close()
 
 
-def _fmt(value, digits: int = 3) -> str:
+def _fmt(value, digits: int = 3, kind: str = "f") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value:.{digits}f}"
+    return f"{value:.{digits}{kind}}"
