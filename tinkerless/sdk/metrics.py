@@ -68,7 +68,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str | None = None) -> str:
-    """Plot reward (mean ± std band) and loss against step; extra panels for win_rate/kl if logged."""
+    """Plot reward (mean ± std band) and loss against step; extra panels for win_rate/kl/entropy if logged."""
     # Figure + Agg canvas directly: no pyplot global state, works headless.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -80,7 +80,9 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str |
     def series(key: str) -> list[float]:
         return [_as_float(r.get(key)) for r in records]
 
-    panels = ["reward_mean", "loss"] + [k for k in ("win_rate", "kl") if any(k in r for r in records)]
+    # Optional panels appear only when some step logged a finite value for them.
+    optional = ("win_rate", "kl", "entropy")
+    panels = ["reward_mean", "loss"] + [k for k in optional if any(math.isfinite(v) for v in series(k))]
     fig = Figure(figsize=(7, 2.4 * len(panels)), constrained_layout=True)
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
