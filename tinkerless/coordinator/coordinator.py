@@ -203,8 +203,10 @@ class Coordinator:
 
         self._transition(apply)
 
-    def reset_to_checkpoint(self, step: int) -> None:
-        """On resume: rewind to checkpoint `step` (phase IDLE, policy_version = step)."""
+    def reset_to_checkpoint(self, step: int, config: dict | None = None) -> None:
+        """On resume: rewind to checkpoint `step` (phase IDLE, policy_version = step).
+
+        `config` replaces the stored run config (a resumed run may ask for more steps)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UserError(
                 f"reset_to_checkpoint needs a non-negative integer step, got {step!r}",
@@ -219,7 +221,10 @@ class Coordinator:
             s.last_checkpoint_step = step
             s.rollout_participants = []
             s.rollouts_submitted = []
+            if config is not None:
+                s.config = dict(config)
 
+        _require_json(config, "config of the resumed run")
         self._transition(apply)
 
     def finish(self, status: str = "finished", summary: dict | None = None) -> None:

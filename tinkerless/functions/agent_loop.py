@@ -192,7 +192,9 @@ def _final_reward(run: _Run, reward_fn: Callable, single_turn: bool) -> None:
     try:
         value = check_reward(reward_fn(completion, run.task), name)
     except TinkerlessError as exc:
-        run.status, run.error, run.traceback = "error", str(exc), tb.format_exc()
+        run.status, run.traceback = "error", tb.format_exc()
+        run.error = f"{name}: {type(exc).__name__}: {exc.message}"
+        run.state = EpisodeState.TERMINATED
         return
     except Exception as exc:
         run.fail(name, exc)

@@ -16,7 +16,7 @@ import math
 import sys
 from pathlib import Path
 
-from tinkerless.errors import ConfigError, TinkerlessError
+from tinkerless.errors import ConfigError, TinkerlessError, UserCodeError
 
 
 def load_config(path: str):
@@ -31,7 +31,17 @@ def load_config(path: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # cloudpickle needs the module registered to ship it by value
     sys.path.insert(0, str(file.parent.resolve()))
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        import traceback
+
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        line = exc.lineno if isinstance(exc, SyntaxError) else frame.lineno
+        raise UserCodeError(
+            f"{path} failed to import: {type(exc).__name__}: {exc} (line {line})",
+            hint="fix the error in that file; it must import cleanly and define `config`",
+        ) from exc
     config = getattr(module, "config", None)
     if not isinstance(config, TrainConfig):
         found = [k for k, v in vars(module).items() if isinstance(v, TrainConfig)]

@@ -54,7 +54,7 @@ class RunResult:
 def train(config: TrainConfig | None = None, *, backend: Backend | str | None = None, **settings: Any) -> RunResult:
     """Train a policy by RL. `train(model=..., env=..., reward=..., tasks=..., steps=...)` or `train(config)`."""
     if config is None:
-        config = TrainConfig(**{k: v for k, v in settings.items() if k != "backend"})
+        config = TrainConfig().replace(**{k: v for k, v in settings.items() if k != "backend"})
     elif settings:
         config = config.replace(**settings)
     if isinstance(backend, str):
@@ -82,13 +82,17 @@ class _Run:
         self.checkpoints = CheckpointStore(self.store, checkpoint_prefix(self.run_id), keep_last=config.keep_checkpoints)
         self.run_dir = self._run_dir()
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
-        self.backend = backend or make_backend(config.backend, config.model, micro_batch_size=config.micro_batch_size)
-        lora = LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
-        self.client = TrainingClient(self.backend, policy="default", lora=lora)
         self.cursor = 0
         self.step = 0
-        if start:
-            self._restore()
+        try:
+            self.backend = backend or make_backend(config.backend, config.model, micro_batch_size=config.micro_batch_size)
+            lora = LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
+            self.client = TrainingClient(self.backend, policy="default", lora=lora)
+            if start:
+                self._restore()
+        except BaseException:
+            self.coordinator.finish("failed")  # never leave a run that looks alive
+            raise
 
     def _open_run(self) -> tuple[Coordinator, bool]:
         config = self.config
@@ -110,7 +114,7 @@ class _Run:
         checkpoint = self.checkpoints.load_latest()
         if checkpoint is None:
             self._say(f"run {self.run_id}: no valid checkpoint, starting from step 0")
-            self.coordinator.reset_to_checkpoint(0)
+            self.coordinator.reset_to_checkpoint(0, self.config.summary())
             self.metrics.truncate_after(-1)
             return
         client_state = json.loads(checkpoint.files.pop(CLIENT_STATE_FILE))
@@ -118,7 +122,7 @@ class _Run:
         self.step, self.cursor = client_state["step"], client_state["cursor"]
         random.setstate(_tuplify(client_state["python_random"]))
         np.random.set_state(tuple(client_state["numpy_random"][:1]) + (np.array(client_state["numpy_random"][1], dtype=np.uint32),) + tuple(client_state["numpy_random"][2:]))
-        self.coordinator.reset_to_checkpoint(self.step)
+        self.coordinator.reset_to_checkpoint(self.step, self.config.summary())
         self.metrics.truncate_after(self.step - 1)
         self._say(f"run {self.run_id}: resumed from checkpoint step-{self.step}")
 
@@ -243,8 +247,7 @@ class _Run:
         return data
 
     def _say(self, message: str) -> None:
-        if self.config.progress:
-            print(message, flush=True)
+        print(message, flush=True)
 
 
 def _step_record(step, episodes, metrics, timings, policy_version, trained, seconds) -> dict:

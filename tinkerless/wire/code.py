@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import sys
+import sysconfig
 from typing import Any
 
 import cloudpickle
 
 from tinkerless.errors import ProtocolError, UserCodeError
 from tinkerless.wire.codec import PYTHON_VERSION
+
+
+# Installed code (stdlib, site-packages) is importable on the worker too, so it is pickled by reference.
+_INSTALLED_PREFIXES = tuple(
+    os.path.realpath(p)
+    for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {sys.base_prefix}
+)
 
 
 @dataclasses.dataclass
@@ -29,10 +38,10 @@ def _register_user_module(obj: Any) -> None:
     if module is None or module.__name__ in ("__main__", "builtins"):
         return
     root = module.__name__.split(".")[0]
-    if root == "tinkerless":
+    if root == "tinkerless" or root in sys.stdlib_module_names:
         return
-    file = getattr(module, "__file__", "") or ""
-    if "site-packages" in file or "dist-packages" in file or file.startswith(sys.prefix + "/lib"):
+    file = os.path.realpath(getattr(module, "__file__", "") or "")
+    if "site-packages" in file or "dist-packages" in file or file.startswith(_INSTALLED_PREFIXES):
         return
     try:
         cloudpickle.register_pickle_by_value(module)

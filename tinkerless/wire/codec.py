@@ -41,7 +41,10 @@ def _default(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     if type(obj).__module__ == "torch" and type(obj).__name__ == "Tensor":
-        return _pack_array(obj.detach().cpu().numpy())
+        tensor = obj.detach().cpu()
+        if not tensor.dtype.is_floating_point or tensor.dtype.itemsize >= 4 or str(tensor.dtype) == "torch.float16":
+            return _pack_array(tensor.numpy())
+        return _pack_array(tensor.float().numpy())  # bfloat16/fp8 have no numpy dtype: widen to float32
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
     raise ProtocolError(
@@ -51,7 +54,8 @@ def _default(obj: Any) -> Any:
 
 
 def _pack_array(array: np.ndarray) -> msgpack.ExtType:
-    array = np.ascontiguousarray(array)
+    if not array.flags.c_contiguous:  # (ascontiguousarray would also turn 0-d into 1-d)
+        array = np.ascontiguousarray(array)
     if array.dtype.hasobject:
         raise ProtocolError("object arrays cannot be sent", hint="convert to a numeric dtype first")
     header = msgpack.packb([array.dtype.str, list(array.shape)])
@@ -85,8 +89,13 @@ def _object_hook(obj: dict) -> Any:
             f"unknown wire type {tag!r}",
             hint="client and server run different tinkerless versions; install the same version on both",
         ) from exc
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__.startswith(_ALLOWED_PREFIX)):
+        raise ProtocolError(f"refusing to rebuild {tag!r}: not a tinkerless wire type")
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in obj.items() if k in names})
+    try:
+        return cls(**{k: v for k, v in obj.items() if k in names})
+    except TypeError as exc:
+        raise ProtocolError(f"malformed {tag!r} on the wire: {exc}") from exc
 
 
 def encode(obj: Any) -> bytes:
@@ -118,7 +127,7 @@ def decode_message(data: bytes) -> Any:
         raise ProtocolError("malformed message: no protocol envelope")
     if envelope["v"] != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"protocol version {envelope['v']} is not supported (this side speaks {PROTOCOL_VERSION})",
+            f"protocol version {envelope['v']!r} is not supported (this side speaks {PROTOCOL_VERSION})",
             hint="upgrade tinkerless on the older side so client and server match",
         )
     return envelope["body"]
