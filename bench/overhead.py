@@ -40,7 +40,8 @@ def tinkerless_steps(args) -> list[float]:
             storage=storage, checkpoint_every=1, progress=False, seed=0,
         )
     # Step 0 pays one-time warm-up; every step includes its checkpoint (checkpoint_every=1).
-    return [r["step_s"] + r["storage_s"] for r in result.metrics[1:]]
+    tokens = [int(r["sampled_tokens"]) for r in result.metrics[1:]]
+    return [r["step_s"] + r["storage_s"] for r in result.metrics[1:]], tokens
 
 
 def bare_steps(args) -> list[float]:
@@ -60,7 +61,7 @@ def bare_steps(args) -> list[float]:
     optimizer = torch.optim.AdamW(params, lr=5e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
     source = TaskSource(make_task, seed=0)
-    times = []
+    times, token_counts = [], []
     for step in range(args.steps + 1):
         started = time.perf_counter()
         tasks, _ = source.batch(step * args.batch_size, args.batch_size)
@@ -73,7 +74,7 @@ def bare_steps(args) -> list[float]:
         attention = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(_step_seed(0, step) * 1_000_003)
-            out = model.generate(input_ids=ids, attention_mask=attention, do_sample=True, temperature=0.7, top_p=1.0,
+            out = model.generate(input_ids=ids, attention_mask=attention, do_sample=True, temperature=0.7, top_p=1.0, top_k=None,
                                  max_new_tokens=args.max_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
                                  output_logits=True, return_dict_in_generate=True)
         new = out.sequences[:, width:]
@@ -109,7 +110,8 @@ def bare_steps(args) -> list[float]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - started)
-    return times[1:]
+        token_counts.append(int(sum(sum(m) for m in masks)))
+    return times[1:], token_counts[1:]
 
 
 def main() -> None:
@@ -120,8 +122,10 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=12)
     args = parser.parse_args()
-    bare = bare_steps(args)
-    ours = tinkerless_steps(args)
+    bare, bare_tokens = bare_steps(args)
+    ours, our_tokens = tinkerless_steps(args)
+    # Same seeds on both sides: the sampled token counts must match, or the comparison is not like for like.
+    print(f"sampled tokens per step: bare {bare_tokens}, tinkerless {our_tokens}")
     ratio = statistics.median(ours) / statistics.median(bare)
     print(f"bare loop step times (s):   {[round(t, 2) for t in bare]}")
     print(f"tinkerless step times (s):  {[round(t, 2) for t in ours]}")

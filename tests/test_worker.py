@@ -145,3 +145,16 @@ def test_optim_step_clips_and_reports_grad_norm(fresh_worker):
     result = fresh_worker.optim_step(OptimStepRequest("p", AdamParams(learning_rate=1e-3, grad_clip_norm=1e-3)))
     assert result.metrics["grad_norm"] > 1e-3
     assert all(p.grad is None for p in fresh_worker.policies["p"].params)
+
+
+def test_engine_choice(tiny_model):
+    from tinkerless.errors import ConfigError
+    from tinkerless.functions.engine import TransformersEngine
+    from tinkerless.functions.vllm_engine import vllm_available
+
+    if not vllm_available():
+        assert isinstance(Worker(tiny_model, engine="auto").engine, TransformersEngine)
+        with pytest.raises(ConfigError, match="vllm"):
+            Worker(tiny_model, engine="vllm")
+    with pytest.raises(ConfigError, match="unknown engine"):
+        Worker(tiny_model, engine="tensorrt")

@@ -53,3 +53,21 @@ def check_reward(value: Any, source: str) -> float:
             hint="guard divisions and logs in the reward; return 0.0 for undefined cases",
         )
     return number
+
+
+@dataclass
+class MultiStepResult:
+    """What a multi-agent env's `step(agent, action)` returns.
+
+    `rewards` maps role -> reward earned at this step (an invalid-move penalty,
+    the terminal zero-sum outcome, ...). Roles not named get 0.
+    """
+
+    rewards: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+    info: dict = field(default_factory=dict)
+
+
+def is_multi_agent(env_cls: Any) -> bool:
+    """A multi-agent env declares its roles in `agents` and whose turn it is with `turn()`."""
+    return bool(getattr(env_cls, "agents", None)) and callable(getattr(env_cls, "turn", None))

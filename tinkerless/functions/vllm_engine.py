@@ -30,7 +30,7 @@ class VLLMEngine:
     def __init__(
         self,
         model_path: str,
-        adapter_dir: Callable[[str], str | None],
+        adapter_dir: Callable[[str], tuple[str, str] | None],
         *,
         max_lora_rank: int = 64,
         gpu_memory_utilization: float = 0.5,
@@ -42,7 +42,7 @@ class VLLMEngine:
             )
         from vllm import LLM
 
-        self.adapter_dir = adapter_dir  # policy -> directory with its latest PEFT adapter (or None)
+        self.adapter_dir = adapter_dir  # policy -> (directory of its latest PEFT adapter, version tag), or None
         self._lora_ids: dict[str, int] = {}
         self.llm = LLM(
             model=model_path,
@@ -52,12 +52,11 @@ class VLLMEngine:
             enable_prefix_caching=True,
         )
 
-    def _lora_request(self, policy: str | None, version_tag: str):
-        if policy is None:
+    def _lora_request(self, policy: str | None):
+        found = self.adapter_dir(policy) if policy is not None else None
+        if found is None:
             return None
-        path = self.adapter_dir(policy)
-        if path is None:
-            return None
+        path, version_tag = found
         from vllm.lora.request import LoRARequest
 
         # A new integer id per adapter version makes vLLM load the fresh weights.
@@ -67,7 +66,7 @@ class VLLMEngine:
         return LoRARequest(key, self._lora_ids[key], path)
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int, version_tag: str = "0"
+        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int
     ) -> list[Generation]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
@@ -83,7 +82,7 @@ class VLLMEngine:
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts],
             params,
-            lora_request=self._lora_request(policy, version_tag),
+            lora_request=self._lora_request(policy),
             use_tqdm=False,
         )
         generations = []

@@ -27,7 +27,7 @@ from tinkerless.functions import training
 from tinkerless.functions.agent_loop import run_episodes
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import TransformersEngine
-from tinkerless.functions.models import load_model
+from tinkerless.functions.models import load_model, resolve_model
 from tinkerless.wire import decode_message, encode_message, unpack_code
 from tinkerless.wire.code import CodeBlob
 from tinkerless.wire.messages import (
@@ -80,7 +80,15 @@ class Worker:
         "load_state",
     )
 
-    def __init__(self, model: str, *, device: str | None = None, micro_batch_size: int = 16, max_batch_size: int = 64):
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str | None = None,
+        engine: str = "auto",
+        micro_batch_size: int = 16,
+        max_batch_size: int = 64,
+    ):
         self.model_name = model
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.base_model, self.tokenizer = load_model(model, device=self.device)
@@ -89,10 +97,35 @@ class Worker:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.micro_batch_size = micro_batch_size
         self.policies: dict[str, _Policy] = {}
-        self.engine = TransformersEngine(
+        self._code_cache: dict[str, Any] = {}
+        self._adapter_root = tempfile.mkdtemp(prefix="tinkerless-adapters-")
+        self.engine = self._make_engine(engine, max_batch_size)
+
+    def _make_engine(self, engine: str, max_batch_size: int):
+        """transformers everywhere; vLLM (sampling from hot-loaded LoRA adapters) when it and a GPU are present."""
+        from tinkerless.functions.vllm_engine import VLLMEngine, vllm_available
+
+        if engine not in ("auto", "transformers", "vllm"):
+            raise ConfigError(f"unknown engine {engine!r}", hint="engine='auto', 'transformers' or 'vllm'")
+        if engine == "vllm" or (engine == "auto" and vllm_available()):
+            return VLLMEngine(resolve_model(self.model_name), self._adapter_snapshot)
+        return TransformersEngine(
             self.base_model, self.tokenizer, self.chat.eos_token_ids, self._activate, max_batch_size=max_batch_size
         )
-        self._code_cache: dict[str, Any] = {}
+
+    def _adapter_snapshot(self, policy: str) -> tuple[str, str] | None:
+        """The policy's current adapter as a PEFT directory (written once per version) for the vLLM engine."""
+        if policy == BASE_POLICY:
+            return None
+        version = self._policy(policy).version
+        directory = os.path.join(self._adapter_root, policy, f"v{version}")
+        if not os.path.exists(os.path.join(directory, "adapter_config.json")):
+            os.makedirs(directory, exist_ok=True)
+            for name, blob in self.save_state(SaveStateRequest(policy, include_optimizer=False)).files.items():
+                if name.startswith("adapter/"):
+                    with open(os.path.join(directory, name.split("/", 1)[1]), "wb") as f:
+                        f.write(blob)
+        return directory, str(version)
 
     # ---- bytes in, bytes out -------------------------------------------------
     def handle(self, method: str, payload: bytes) -> bytes:
@@ -145,7 +178,8 @@ class Worker:
             torch.manual_seed(lora.seed)
             if not self.policies:
                 self.model = get_peft_model(self.base_model, config, adapter_name=name)
-                self.engine.model = self.model
+                if isinstance(self.engine, TransformersEngine):
+                    self.engine.model = self.model
             else:
                 self.model.add_adapter(name, config)
         params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]

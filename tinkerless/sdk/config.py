@@ -53,6 +53,7 @@ class TrainConfig:
     # run management
     seed: int = 0
     backend: str = "local"
+    engine: str = "auto"  # auto | transformers | vllm (auto picks vLLM when it and a GPU are present)
     storage: str = "."
     run_id: str | None = None
     resume: bool = False

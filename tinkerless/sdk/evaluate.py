@@ -62,7 +62,7 @@ def evaluate(
     seed: int = 12345,
 ) -> EvalReport:
     state = load_policy_state(config, run_id=run_id, step=step, adapter=adapter)
-    backend = make_backend(config.backend, config.model)
+    backend = make_backend(config.backend, config.model, engine=config.engine)
     policy = "base"
     if state is not None:
         client = TrainingClient(backend, "default", create=False)

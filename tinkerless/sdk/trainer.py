@@ -85,7 +85,9 @@ class _Run:
         self.cursor = 0
         self.step = 0
         try:
-            self.backend = backend or make_backend(config.backend, config.model, micro_batch_size=config.micro_batch_size)
+            self.backend = backend or make_backend(
+                config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size
+            )
             lora = LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
             self.client = TrainingClient(self.backend, policy="default", lora=lora)
             if start:
