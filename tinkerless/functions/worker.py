@@ -27,6 +27,7 @@ from tinkerless.functions import training
 from tinkerless.functions.agent_loop import run_episodes
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import TransformersEngine
+from tinkerless.functions.multi_agent_loop import run_games
 from tinkerless.functions.models import load_model, resolve_model
 from tinkerless.wire import decode_message, encode_message, unpack_code
 from tinkerless.wire.code import CodeBlob
@@ -39,6 +40,7 @@ from tinkerless.wire.messages import (
     ForwardResult,
     LoadStateRequest,
     LoraConfig,
+    MultiAgentRolloutRequest,
     OptimStepRequest,
     OptimStepResult,
     PolicyState,
@@ -71,6 +73,7 @@ class Worker:
         "info",
         "create_policy",
         "rollout",
+        "rollout_multi",
         "sample",
         "forward",
         "forward_backward",
@@ -236,6 +239,29 @@ class Worker:
             env_cls=self._load_code(request.env),
             reward_fn=self._load_code(request.reward),
             system_prompt=request.system_prompt,
+        )
+        sampled = float(sum(e.mask.sum() for e in episodes))
+        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})
+
+    def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
+        """Play multi-agent games; one episode per game and model-played role."""
+        started = time.perf_counter()
+        for seat in request.seats.values():
+            if seat.opponent is None and seat.policy not in (None, BASE_POLICY):
+                self._policy(seat.policy)
+        opponents = {role: self._load_code(seat.opponent) for role, seat in request.seats.items() if seat.opponent}
+        episodes = run_games(
+            self.engine,
+            self.chat,
+            env_cls=self._load_code(request.env),
+            tasks=request.tasks,
+            group_size=request.group_size,
+            seats=request.seats,
+            opponents=opponents,
+            sampling=request.sampling,
+            limits=request.limits,
+            seed=request.seed,
+            timeout=request.protocol_timeout,
         )
         sampled = float(sum(e.mask.sum() for e in episodes))
         return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})

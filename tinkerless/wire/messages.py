@@ -203,3 +203,24 @@ class ErrorReply:
     type: str
     traceback: str = ""
     hint: str | None = None
+
+
+@dataclass
+class Seat:
+    """Who plays a role in a multi-agent env: a policy (trained or frozen) or a scripted opponent."""
+
+    policy: str | None = None  # a policy on the worker ("base" = the base model)
+    opponent: CodeBlob | None = None  # opponent(env, role, rng) -> action text
+    trainable: bool = True
+
+
+@dataclass
+class MultiAgentRolloutRequest:
+    tasks: list[dict]
+    group_size: int  # games per task
+    env: CodeBlob
+    seats: dict[str, Seat]  # role -> seat
+    sampling: SamplingParams
+    limits: EpisodeLimits  # max_turns counts one role's turns; max_episode_tokens bounds one role's context
+    seed: int
+    protocol_timeout: float = 300.0  # seconds for the whole batch of games
