@@ -11,6 +11,8 @@ Public API:
 - `env`, `reward`: decorators for user environments and reward functions;
 - `StepResult`: what an env's `step()` returns;
 - `train`, `TrainConfig`, `RunResult`: run RL end to end;
+- `MultiStepResult`, `Frozen`, `self_play`, `versus`, `round_robin`: multi-agent envs and who plays them;
+- `tool`, `ToolEnv`: tool-calling envs;
 - `TrainingClient`, `LocalBackend`: Tinker-style primitives (sample, forward_backward, optim_step, save/load_state);
 - `LossConfig`, `AdamParams`, `SamplingParams`, `LoraConfig`, `Datum`: wire types;
 - `errors`: the typed exceptions.
@@ -39,6 +41,13 @@ _LAZY = {
     "SamplingParams": "tinkerless.wire.messages",
     "LoraConfig": "tinkerless.wire.messages",
     "Datum": "tinkerless.wire.messages",
+    "Frozen": "tinkerless.sdk.agents",
+    "self_play": "tinkerless.sdk.agents",
+    "versus": "tinkerless.sdk.agents",
+    "round_robin": "tinkerless.sdk.agents",
+    "MultiStepResult": "tinkerless.envs.base",
+    "tool": "tinkerless.envs.tools",
+    "ToolEnv": "tinkerless.envs.tools",
 }
 
 

@@ -166,8 +166,9 @@ class Worker:
         name = request.policy
         if name in self.policies:
             return {"policy": name, "created": False}
-        if name == BASE_POLICY or not name.replace("-", "").replace("_", "").isalnum():
-            raise ConfigError(f"invalid policy name {name!r}", hint="use letters, digits, '-' and '_'")
+        if name == BASE_POLICY or not name.replace("-", "").replace("_", "").isalnum() or name in "lora_":
+            # peft finds adapter weights by substring; a name inside "lora_" would corrupt loading.
+            raise ConfigError(f"invalid policy name {name!r}", hint="use 2+ letters, digits, '-' and '_' (not 'base')")
         lora = request.lora
         config = PeftLoraConfig(
             r=lora.rank,

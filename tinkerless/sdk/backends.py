@@ -8,6 +8,7 @@ SkyPilot) implement the same `call_bytes`.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 from tinkerless.errors import ConfigError, RemoteError, error_class_for
@@ -32,9 +33,11 @@ class LocalBackend:
         from tinkerless.functions.worker import Worker  # torch/transformers load only when used
 
         self.worker = Worker(model, **worker_options)
+        self._lock = threading.Lock()  # one model in this process: calls from several threads take turns
 
     def call_bytes(self, method: str, payload: bytes) -> bytes:
-        return self.worker.handle(method, payload)
+        with self._lock:
+            return self.worker.handle(method, payload)
 
     def close(self) -> None:
         pass

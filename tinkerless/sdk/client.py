@@ -27,6 +27,7 @@ from tinkerless.wire.messages import (
     ForwardResult,
     LoadStateRequest,
     LoraConfig,
+    MultiAgentRolloutRequest,
     OptimStepRequest,
     OptimStepResult,
     PolicyState,
@@ -57,6 +58,9 @@ class TrainingClient:
 
     def rollout(self, request: RolloutRequest) -> RolloutResult:
         return call(self.backend, "rollout", request)
+
+    def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
+        return call(self.backend, "rollout_multi", request)
 
     def sample(
         self, prompts: list[Any], n: int = 1, params: SamplingParams | None = None, *, seed: int = 0

@@ -9,7 +9,9 @@ from typing import Any, Callable
 
 from tinkerless.errors import ConfigError
 from tinkerless.functions.losses import LOSS_NAMES, LossConfig
+from tinkerless.envs.base import is_multi_agent
 from tinkerless.sdk.advantages import AdvantageConfig
+from tinkerless.sdk.agents import check_roles, seatings, trainable_policies
 
 # algo -> (advantage estimator, default loss normalization)
 ALGORITHMS = {
@@ -27,6 +29,8 @@ class TrainConfig:
     reward: Callable | None = None
     tasks: Any = None  # list of dicts | JSONL path | generator(rng) -> dict
     system_prompt: str | None = None
+    agents: Any = None  # multi-agent envs: role -> policy name | Frozen(...) | opponent fn, or a list of such seatings
+    protocol_timeout: float = 600.0  # seconds before a stuck multi-agent protocol or barrier is an error
     name: str = "run"
     # algorithm
     algo: str = "grpo"
@@ -77,6 +81,19 @@ class TrainConfig:
             raise ConfigError(
                 "a run needs an env, a reward, or both", hint="pass env=MyEnv and/or reward=my_reward"
             )
+        if self.env is not None and is_multi_agent(self.env):
+            if self.agents is None:
+                roles = list(getattr(self.env, "agents", ()))
+                raise ConfigError(
+                    f"{self.env.__qualname__} is a multi-agent env with roles {roles}; say who plays them",
+                    hint=f"e.g. agents=tinkerless.self_play({roles}) or agents={{{roles[0]!r}: 'policy', ...: tinkerless.Frozen()}}",
+                )
+            for seating in seatings(self.agents):
+                check_roles(self.env, seating)
+            if not trainable_policies(self.agents):
+                raise ConfigError("no role is played by a trained policy", hint="give at least one role a policy name")
+        elif self.agents is not None:
+            raise ConfigError("agents= is only for multi-agent envs (with `agents` and `turn()`)")
         if self.tasks is None:
             raise ConfigError("a run needs tasks", hint="tasks=[{...}], a JSONL path, or a generator function")
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", self.run_id):
@@ -113,5 +130,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.name in ("env", "reward", "tasks") and value is not None and not isinstance(value, (str, int, float)):
                 value = getattr(value, "__qualname__", type(value).__name__)
+            if f.name == "agents" and value is not None:
+                value = repr(value)
             out[f.name] = value
         return out

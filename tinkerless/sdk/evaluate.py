@@ -35,13 +35,17 @@ class EvalReport:
         return "\n".join(lines)
 
 
+def adapter_files(adapter: str) -> dict[str, bytes]:
+    """A PEFT adapter directory as checkpoint-style files (adapter/<name>)."""
+    directory = Path(adapter)
+    if not (directory / "adapter_config.json").is_file():
+        raise UserError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
+    return {f"adapter/{p.name}": p.read_bytes() for p in directory.iterdir() if p.is_file()}
+
+
 def load_policy_state(config: TrainConfig, *, run_id: str | None, step: int | None, adapter: str | None) -> PolicyState | None:
     if adapter:
-        directory = Path(adapter)
-        files = {f"adapter/{p.name}": p.read_bytes() for p in directory.iterdir() if p.is_file()}
-        if "adapter/adapter_config.json" not in files:
-            raise UserError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
-        return PolicyState("default", files)
+        return PolicyState("default", adapter_files(adapter))
     if run_id is None:
         return None
     checkpoints = CheckpointStore(ObjectStore(config.storage), checkpoint_prefix(run_id))

@@ -155,3 +155,30 @@ def _drop_torn_tail(path: Path) -> None:
             handle.truncate(tail_start)  # torn: drop it
         else:
             handle.write(b"\n")  # complete record that only lacks its newline: keep it
+
+
+def plot_outcomes(metrics_path: str | Path, png_path: str | Path, policies: list[str], *, title: str | None = None) -> str:
+    """Win/draw/loss rate against step, one panel per trained policy (multi-agent runs)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = sorted((r for r in read_metrics(metrics_path) if isinstance(r.get("step"), (int, float))), key=lambda r: r["step"])
+    steps = [r["step"] for r in records]
+    fig = Figure(figsize=(7, 2.4 * max(1, len(policies))), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(max(1, len(policies)), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, policy in zip(axes, policies):
+        for outcome, color in (("win", "tab:green"), ("draw", "tab:gray"), ("loss", "tab:red")):
+            values = [_as_float(r.get(f"{outcome}_rate/{policy}")) for r in records]
+            ax.plot(steps, values, marker="o", markersize=3, color=color, label=outcome)
+        ax.set_ylabel(f"{policy}\nrate")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    axes[-1].set_xlabel("step")
+    if title:
+        fig.suptitle(title)
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, format="png", dpi=100)
+    return str(png_path)

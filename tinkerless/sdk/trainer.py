@@ -23,7 +23,10 @@ from tinkerless.sdk.advantages import group_advantages
 from tinkerless.sdk.backends import Backend, make_backend
 from tinkerless.sdk.client import TrainingClient
 from tinkerless.sdk.config import TrainConfig
-from tinkerless.sdk.metrics import MetricsWriter, plot_metrics, read_metrics
+from tinkerless.envs.base import is_multi_agent
+from tinkerless.sdk.agents import frozen_adapters, trainable_policies
+from tinkerless.sdk.metrics import MetricsWriter, plot_metrics, plot_outcomes, read_metrics
+from tinkerless.sdk.multi_agent import build_seats, play_step
 from tinkerless.sdk.progress import Progress
 from tinkerless.sdk.tasks import TaskSource
 from tinkerless.storage import CheckpointStore, ObjectStore
@@ -34,6 +37,7 @@ from tinkerless.wire.messages import (
     Episode,
     EpisodeLimits,
     LoraConfig,
+    MultiAgentRolloutRequest,
     PolicyState,
     RolloutRequest,
     SamplingParams,
@@ -49,6 +53,7 @@ class RunResult:
     metrics: list[dict] = field(default_factory=list)
     last_checkpoint_step: int | None = None
     plot_path: Path | None = None
+    events: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 def train(config: TrainConfig | None = None, *, backend: Backend | str | None = None, **settings: Any) -> RunResult:
@@ -76,6 +81,10 @@ class _Run:
             pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
         )
         self.tasks = TaskSource(config.tasks, seed=config.seed)
+        self.multi_agent = config.env is not None and is_multi_agent(config.env)
+        self.policies = trainable_policies(config.agents) if self.multi_agent else ["default"]
+        self.seats = build_seats(config.agents) if self.multi_agent else []
+        self.events: list[tuple[int, str, str]] = []  # (step, event, policy): the barrier's observable order
         self.store = ObjectStore(config.storage)
         self.coordinator, start = self._open_run()
         self.run_id = self.coordinator.run_id
@@ -84,12 +93,18 @@ class _Run:
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
         self.cursor = 0
         self.step = 0
+        self._versions: dict[str, int] = {}
         try:
             self.backend = backend or make_backend(
                 config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size
             )
-            lora = LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
-            self.client = TrainingClient(self.backend, policy="default", lora=lora)
+            self.clients = {
+                name: TrainingClient(
+                    self.backend, policy=name, lora=LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed + i)
+                )
+                for i, name in enumerate(self.policies)
+            }
+            self._load_frozen_adapters()
             if start:
                 self._restore()
         except BaseException:
@@ -120,7 +135,11 @@ class _Run:
             self.metrics.truncate_after(-1)
             return
         client_state = json.loads(checkpoint.files.pop(CLIENT_STATE_FILE))
-        self.client.load_state(PolicyState("default", checkpoint.files, client_state["policy_version"]))
+        for name, client in self.clients.items():
+            prefix = _policy_prefix(name)
+            files = {k[len(prefix):]: v for k, v in checkpoint.files.items() if k.startswith(prefix)}
+            client.load_state(PolicyState(name, files, client_state["policy_versions"][name]))
+            self._versions[name] = client_state["policy_versions"][name]
         self.step, self.cursor = client_state["step"], client_state["cursor"]
         random.setstate(_tuplify(client_state["python_random"]))
         np.random.set_state(tuple(client_state["numpy_random"][:1]) + (np.array(client_state["numpy_random"][1], dtype=np.uint32),) + tuple(client_state["numpy_random"][2:]))
@@ -128,34 +147,33 @@ class _Run:
         self.metrics.truncate_after(self.step - 1)
         self._say(f"run {self.run_id}: resumed from checkpoint step-{self.step}")
 
-    def _save_checkpoint(self, policy_version: int) -> None:
-        state = self.client.save_state()
+    def _save_checkpoint(self, policy_versions: dict[str, int]) -> None:
+        files: dict[str, bytes] = {}
+        for name, client in self.clients.items():
+            files.update({_policy_prefix(name) + k: v for k, v in client.save_state().files.items()})
         numpy_state = np.random.get_state()
         client_state = {
             "step": self.step,
             "cursor": self.cursor,
-            "policy_version": policy_version,
+            "policy_versions": policy_versions,
             "python_random": random.getstate(),
             "numpy_random": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
         }
-        files = dict(state.files)
         files[CLIENT_STATE_FILE] = json.dumps(client_state).encode()
-        self.checkpoints.save(self.step, files, {"run_id": self.run_id, "policy_version": policy_version})
+        self.checkpoints.save(self.step, files, {"run_id": self.run_id, "policy_versions": policy_versions})
         self.coordinator.record_checkpoint(self.step)
 
     # ---- the loop ----------------------------------------------------------------
     def run(self) -> RunResult:
         config = self.config
         progress = Progress(total=config.steps, initial=self.step, enabled=config.progress, description=self.run_id)
-        policy_version = self.step
         try:
             while self.step < config.steps:
-                record = self._train_step()
-                policy_version = record["policy_version"]
+                record, policy_versions = self._train_step()
                 started = time.perf_counter()
                 self.step += 1
                 if self.step % config.checkpoint_every == 0 or self.step == config.steps:
-                    self._save_checkpoint(policy_version)
+                    self._save_checkpoint(policy_versions)
                 record["storage_s"] += time.perf_counter() - started
                 self.metrics.log(record)
                 progress.update(record)
@@ -170,70 +188,123 @@ class _Run:
         plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
         self.coordinator.finish("finished", _summary(records))
         self.backend.close()
-        result = RunResult(self.run_id, self.run_dir, records, self.checkpoints.latest_step(), Path(plot))
+        if self.multi_agent:
+            plot_outcomes(self.run_dir / "metrics.jsonl", self.run_dir / "outcomes.png", self.policies, title=self.run_id)
+        result = RunResult(self.run_id, self.run_dir, records, self.checkpoints.latest_step(), Path(plot), self.events)
         self._say(_final_report(result))
         return result
 
-    def _train_step(self) -> dict:
+    def _train_step(self) -> tuple[dict, dict[str, int]]:
         config, step = self.config, self.step
         timings = {"rollout_s": 0.0, "forward_s": 0.0, "update_s": 0.0, "storage_s": 0.0}
         started = time.perf_counter()
-        self.coordinator.begin_rollout(step)
+        self.coordinator.begin_rollout(step, participants=self.policies)
         tasks, self.cursor = self.tasks.batch(self.cursor, config.batch_size)
+        episodes = self._multi_agent_rollouts(tasks) if self.multi_agent else self._rollouts(tasks)
+        self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)  # global barrier: every policy's rollouts are in
+        timings["rollout_s"] = time.perf_counter() - started
+        self._check_errors(episodes)
+
+        self.coordinator.begin_update(step)
+        metrics: dict[str, dict] = {}
+        versions: dict[str, int] = {}
+        for name, client in self.clients.items():
+            self._event("update_start", name)
+            own = [e for e in episodes if e.status != "error" and e.info.get("policy", "default") == name]
+            metrics[name], versions[name] = self._update(client, own, timings)
+        self.coordinator.commit_update(step, {"reward_mean": _mean([e.reward for e in episodes if e.status != "error"])})
+        self._event("committed", "*")
+        record = _step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started)
+        if self.multi_agent:
+            record.update(_agent_metrics(episodes, self.policies))
+        return record, versions
+
+    def _rollouts(self, tasks: list[dict]) -> list[Episode]:
+        config = self.config
         request = RolloutRequest(
             policy="default",
             tasks=tasks,
             group_size=config.group_size,
-            sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p),
+            sampling=self._sampling(),
             limits=EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens),
-            seed=_step_seed(config.seed, step),
+            seed=_step_seed(config.seed, self.step),
             env=self.env_code,
             reward=self.reward_code,
             system_prompt=config.system_prompt,
         )
-        rollout = self.client.rollout(request)
-        timings["rollout_s"] = time.perf_counter() - started
-        self.coordinator.submit_rollout(step, "default")
-        episodes = rollout.episodes
+        episodes = self.clients["default"].rollout(request).episodes
+        self.coordinator.submit_rollout(self.step, "default")
+        self._event("rollouts_in", "default")
+        return episodes
+
+    def _multi_agent_rollouts(self, tasks: list[dict]) -> list[Episode]:
+        config = self.config
+
+        def make_request(seats, index):
+            return MultiAgentRolloutRequest(
+                tasks=tasks,
+                group_size=config.group_size,
+                env=self.env_code,
+                seats=seats,
+                sampling=self._sampling(),
+                limits=EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens),
+                seed=_step_seed(config.seed, self.step) + index,
+                protocol_timeout=config.protocol_timeout,
+            )
+
+        any_client = next(iter(self.clients.values()))
+        return play_step(self.seats, make_request, any_client.rollout_multi, self.coordinator, self.step, self._event)
+
+    def _sampling(self) -> SamplingParams:
+        config = self.config
+        return SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p)
+
+    def _check_errors(self, episodes: list[Episode]) -> None:
         errors = [e for e in episodes if e.status == "error"]
-        if errors and (config.on_env_error == "raise" or len(errors) == len(episodes)):
+        if errors and (self.config.on_env_error == "raise" or len(errors) == len(episodes)):
             first = errors[0]
             raise EnvError(
-                f"{len(errors)} of {len(episodes)} episodes failed at step {step}; first: {first.error}\n{first.traceback or ''}",
+                f"{len(errors)} of {len(episodes)} episodes failed at step {self.step}; first: {first.error}\n{first.traceback or ''}",
                 hint="fix the env/reward; with on_env_error='skip' failing episodes are dropped and the run goes on"
-                if config.on_env_error == "raise"
+                if self.config.on_env_error == "raise"
                 else "every episode failed, so there is nothing to train on; fix the env/reward",
             )
-        data = self._datums([e for e in episodes if e.status != "error"])
 
+    def _update(self, client: TrainingClient, episodes: list[Episode], timings: dict) -> tuple[dict, int]:
+        config = self.config
+        data = self._datums(episodes)
         if data and (config.tis_cap is not None or config.kl_coef > 0):
             t = time.perf_counter()
-            forward = self.client.forward(data, with_reference=config.kl_coef > 0)
+            forward = client.forward(data, with_reference=config.kl_coef > 0)
             for i, datum in enumerate(data):
                 datum.old_logprobs = forward.logprobs[i]
                 if forward.ref_logprobs is not None:
                     datum.ref_logprobs = forward.ref_logprobs[i]
-            timings["forward_s"] = time.perf_counter() - t
-
-        self.coordinator.begin_update(step)
+            timings["forward_s"] += time.perf_counter() - t
+        if not data:  # every group had equal rewards: no signal, no step
+            return {"trained_sequences": 0}, self._versions.get(client.policy, 0)
         t = time.perf_counter()
-        metrics: dict[str, float] = {}
-        if data:
-            adam = AdamParams(
-                learning_rate=config.learning_rate, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm
-            )
-            update = self.client.update(data, config.loss_config(), adam)
-            metrics, policy_version = update.metrics, update.policy_version
-        else:  # every group had equal rewards: no signal, no step
-            policy_version = self.coordinator.state.policy_version
-        timings["update_s"] = time.perf_counter() - t
-        self.coordinator.commit_update(step, {"reward_mean": _mean([e.reward for e in episodes if e.status != "error"])})
-        return _step_record(step, episodes, metrics, timings, policy_version, len(data), time.perf_counter() - started)
+        adam = AdamParams(learning_rate=config.learning_rate, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
+        update = client.update(data, config.loss_config(), adam)
+        timings["update_s"] += time.perf_counter() - t
+        self._versions[client.policy] = update.policy_version
+        return {**update.metrics, "trained_sequences": len(data)}, update.policy_version
+
+    def _event(self, event: str, policy: str) -> None:
+        self.events.append((self.step, event, policy))
+
+    def _load_frozen_adapters(self) -> None:
+        from tinkerless.sdk.evaluate import adapter_files
+
+        for path, name in (frozen_adapters(self.config.agents).items() if self.multi_agent else []):
+            TrainingClient(self.backend, name, create=False).load_state(PolicyState(name, adapter_files(path)), include_optimizer=False)
 
     def _datums(self, episodes: list[Episode]) -> list[Datum]:
         if not episodes:
             return []
-        advantages = group_advantages([e.reward for e in episodes], [e.task_index for e in episodes], self.config.advantage_config())
+        # Groups: the same task played from the same seat (role and seating) by this policy.
+        groups = [(e.task_index, e.info.get("role"), e.info.get("seating")) for e in episodes]
+        advantages = group_advantages([e.reward for e in episodes], groups, self.config.advantage_config())
         data = []
         for episode, advantage in zip(episodes, advantages):
             if advantage == 0.0 or episode.mask.sum() == 0:
@@ -252,28 +323,29 @@ class _Run:
         print(message, flush=True)
 
 
-def _step_record(step, episodes, metrics, timings, policy_version, trained, seconds) -> dict:
+def _step_record(step, episodes, metrics: dict[str, dict], timings, versions: dict[str, int], seconds) -> dict:
     ok = [e for e in episodes if e.status != "error"]
     rewards = [e.reward for e in ok]
     sampled = float(sum(e.mask.sum() for e in episodes))
+    merged = _merge_policy_metrics(metrics)
     record = {
         "step": step,
         "reward_mean": _mean(rewards),
         "reward_std": float(np.std(rewards)) if rewards else math.nan,
-        "loss": metrics.get("loss", math.nan),
-        "kl": metrics.get("kl", math.nan),
-        "entropy": metrics.get("entropy", math.nan),
-        "grad_norm": metrics.get("grad_norm", math.nan),
-        "clip_fraction": metrics.get("clip_fraction", math.nan),
+        "loss": merged.get("loss", math.nan),
+        "kl": merged.get("kl", math.nan),
+        "entropy": merged.get("entropy", math.nan),
+        "grad_norm": merged.get("grad_norm", math.nan),
+        "clip_fraction": merged.get("clip_fraction", math.nan),
         "sampled_tokens": sampled,
-        "trained_tokens": metrics.get("tokens", 0.0),
+        "trained_tokens": sum(m.get("tokens", 0.0) for m in metrics.values()),
         "tokens_per_s": sampled / max(timings["rollout_s"], 1e-9),
         "episodes": len(episodes),
         "episodes_error": len(episodes) - len(ok),
         "episodes_truncated": sum(e.status == "truncated" for e in episodes),
-        "trained_sequences": trained,
+        "trained_sequences": sum(m.get("trained_sequences", 0) for m in metrics.values()),
         "turns_mean": _mean([e.num_turns for e in ok]),
-        "policy_version": policy_version,
+        "policy_version": max(versions.values()) if versions else 0,
         "step_s": seconds,
         **timings,
     }
@@ -284,6 +356,24 @@ def _step_record(step, episodes, metrics, timings, policy_version, trained, seco
     if sample is not None:
         record["sample"] = sample.transcript[-1]["content"][:200]
     return record
+
+
+def _merge_policy_metrics(metrics: dict[str, dict]) -> dict[str, float]:
+    """One value per metric across policies: the mean over policies that reported it."""
+    keys = {k for m in metrics.values() for k in m}
+    return {k: _mean([m[k] for m in metrics.values() if k in m and m[k] is not None]) for k in keys}
+
+
+def _agent_metrics(episodes: list[Episode], policies: list[str]) -> dict[str, float]:
+    """Per-policy reward and win/draw/loss rates over finished games."""
+    out: dict[str, float] = {}
+    for name in policies:
+        own = [e for e in episodes if e.status != "error" and e.info.get("policy") == name]
+        out[f"reward_mean/{name}"] = _mean([e.reward for e in own])
+        finished = [e for e in own if e.info.get("outcome") in ("win", "draw", "loss")]
+        for outcome in ("win", "draw", "loss"):
+            out[f"{outcome}_rate/{name}"] = _mean([e.info["outcome"] == outcome for e in finished]) if finished else math.nan
+    return out
 
 
 def _mean(values) -> float:
@@ -318,6 +408,11 @@ def _latest_run_id(store: ObjectStore, name: str) -> str:
             hint="pass run_id=... (see `tinkerless runs`) or drop resume to start a new run",
         )
     return runs[0].run_id
+
+
+def _policy_prefix(name: str) -> str:
+    """Checkpoint file prefix: the single-agent policy keeps PEFT's layout at the top (step-n/adapter/)."""
+    return "" if name == "default" else f"policies/{name}/"
 
 
 def _tuplify(value: Any) -> Any:

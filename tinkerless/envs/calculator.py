@@ -1,0 +1,247 @@
+"""A safe calculator tool, math word problems, and `CalculatorEnv`: the tool-calling starter env.
+
+The calculator walks the expression's syntax tree (`ast`), so only numbers,
++ - * / **, unary signs and parentheses are ever evaluated: no names, calls or
+attributes, and bounded sizes so `9**9**9` is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import random
+import re
+from typing import Any, Callable
+
+from tinkerless.envs.tools import ToolEnv, tool
+from tinkerless.sdk.decorators import env
+
+MAX_EXPRESSION_CHARS = 200
+MAX_EXPONENT = 1000
+MAX_RESULT_DIGITS = 100  # beyond this a word problem has gone wrong; also bounds big-int work
+
+
+class CalculatorError(ValueError):
+    """The expression cannot be evaluated; the message is written for the model to read."""
+
+
+_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def evaluate(expression: str) -> int | float:
+    """The value of an arithmetic expression, or CalculatorError saying why not."""
+    # A trailing "=" and the × ÷ signs are common in model output and unambiguous.
+    text = expression.strip().rstrip("= ").replace("×", "*").replace("÷", "/")
+    if not text:
+        raise CalculatorError("empty expression; write something like 3 * (4 + 5)")
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        raise CalculatorError(f"cannot parse {expression!r}; use numbers, + - * / ** and parentheses") from None
+    except (RecursionError, MemoryError):
+        raise CalculatorError("expression is nested too deeply") from None
+    try:
+        return _eval(tree.body)
+    except RecursionError:
+        raise CalculatorError("expression is nested too deeply") from None
+
+
+def _eval(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+            raise CalculatorError(f"only numbers are allowed, not {node.value!r}")
+        return _checked(node.value)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_eval(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Div) and right == 0:
+            raise CalculatorError("division by zero")
+        if isinstance(node.op, ast.Pow):
+            _check_power(left, right)
+        try:
+            return _checked(_BINARY[type(node.op)](left, right))
+        except OverflowError:
+            raise CalculatorError("result too large") from None
+    raise CalculatorError(f"{_describe(node)} is not allowed; use numbers, + - * / ** and parentheses")
+
+
+def _check_power(base: int | float, exponent: int | float) -> None:
+    # Estimate the size before computing: int powers are exact and can take forever.
+    if base == 0 and exponent < 0:
+        raise CalculatorError("division by zero (0 to a negative power)")
+    if abs(exponent) > MAX_EXPONENT:
+        raise CalculatorError(f"exponent {exponent} too large (limit {MAX_EXPONENT})")
+    if abs(base) > 1 and exponent > 0 and exponent * math.log10(abs(base)) > MAX_RESULT_DIGITS:
+        raise CalculatorError("result too large")
+    if base < 0 and not float(exponent).is_integer():
+        raise CalculatorError("a negative number to a fractional power is not a real number")
+
+
+def _checked(value: int | float) -> int | float:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CalculatorError("result too large")
+    if abs(value) >= 10**MAX_RESULT_DIGITS:
+        raise CalculatorError("result too large")
+    return value
+
+
+def _describe(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return f"the name {node.id!r}"
+    if isinstance(node, ast.Attribute):
+        return "attribute access"
+    if isinstance(node, ast.Call):
+        return "a function call"
+    if isinstance(node, (ast.BinOp, ast.UnaryOp)):
+        return f"the operator {type(node.op).__name__}"
+    return f"{type(node).__name__}"
+
+
+def format_number(value: int | float) -> str:
+    """Whole results without a trailing .0 (word-problem answers are integers), others to 10 significant digits."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    if isinstance(value, float):
+        return format(value, ".10g")
+    return str(value)
+
+
+@tool(example={"expression": "3 * 7"})
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression with numbers, + - * / ** and parentheses.
+
+    Args:
+        expression: the expression, e.g. (12 - 5) * 3
+    """
+    return format_number(evaluate(expression))
+
+
+# ---------------------------------------------------------------------------
+# word problems: small numbers, two or three operations, integer answers
+
+_NAMES = ["Tom", "Mia", "Sam", "Ana", "Leo", "Zoe", "Ben", "Ivy"]
+
+
+def _apples(rng: random.Random, name: str) -> tuple[str, int]:
+    boxes, per_box = rng.randint(2, 9), rng.randint(3, 15)
+    eaten = rng.randint(1, boxes * per_box - 1)
+    return f"{name} has {boxes} boxes of {per_box} apples and eats {eaten}. How many apples are left?", boxes * per_box - eaten
+
+
+def _change(rng: random.Random, name: str) -> tuple[str, int]:
+    price, count = rng.randint(2, 9), rng.randint(2, 6)
+    bill = next(b for b in (20, 50, 100) if b > price * count)
+    return (
+        f"A pen costs {price} dollars. {name} buys {count} pens and pays with a {bill} dollar bill. "
+        f"How many dollars of change does {name} get?",
+        bill - price * count,
+    )
+
+
+def _reading(rng: random.Random, name: str) -> tuple[str, int]:
+    per_day, days = rng.randint(5, 20), rng.randint(2, 7)
+    total = per_day * days + rng.randint(10, 90)
+    return (
+        f"{name} reads {per_day} pages a day for {days} days. The book has {total} pages. How many pages are left?",
+        total - per_day * days,
+    )
+
+
+def _groups(rng: random.Random, name: str) -> tuple[str, int]:
+    groups, size = rng.randint(2, 9), rng.randint(2, 12)
+    return (
+        f"{name}'s class has {groups * size} students split equally into {groups} groups. "
+        "How many students are in each group?",
+        size,
+    )
+
+
+def _trip(rng: random.Random, name: str) -> tuple[str, int]:
+    speed, hours, extra = rng.randint(20, 90), rng.randint(2, 5), rng.randint(5, 50)
+    return (
+        f"{name} drives {speed} km per hour for {hours} hours, then {extra} km more. How many km is that in total?",
+        speed * hours + extra,
+    )
+
+
+def _stickers(rng: random.Random, name: str) -> tuple[str, int]:
+    had, got = rng.randint(5, 40), rng.randint(2, 30)
+    got += (had + got) % 2  # an even total halves evenly
+    return (
+        f"{name} had {had} stickers, got {got} more, then gave away half of them. How many stickers does {name} have now?",
+        (had + got) // 2,
+    )
+
+
+TEMPLATES: list[Callable[[random.Random, str], tuple[str, int]]] = [_apples, _change, _reading, _groups, _trip, _stickers]
+
+
+def make_word_problem(rng: random.Random) -> dict:
+    """A task `{"question": str, "answer": int}` from a random template with random numbers."""
+    template = rng.choice(TEMPLATES)
+    question, answer = template(rng, rng.choice(_NAMES))
+    return {"question": question, "answer": answer}
+
+
+# ---------------------------------------------------------------------------
+# the env
+
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    """The last number in a text ("... so 31 are left." -> 31); answers tend to end with the result."""
+    found = _NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+@env
+class CalculatorEnv(ToolEnv):
+    """Word problems with a calculator. Reward, with partial credit so a small model has signal:
+
+    - 1.0: the last number in the final answer is the right one;
+    - 0.5: not answered right, but a calculator call returned the right number;
+    - 0.2: not answered right, but the calculator was called with a well-formed expression;
+    - 0.0: otherwise.
+    """
+
+    tools = [calculator]
+    max_tool_calls = 2  # below a typical max_turns of 3, so the env ends episodes itself
+    instructions = (
+        "Solve the math word problem. Call the calculator to compute, "
+        "then give the final number in <answer></answer> tags."
+    )
+
+    def reset(self, question: str, answer: int) -> str:
+        self.question = question
+        self.answer = answer
+        return question
+
+    def score(self, answer: str) -> float:
+        number = last_number(answer)
+        if number is not None and math.isclose(number, self.answer):
+            return 1.0
+        return self.partial_credit()
+
+    def out_of_tool_calls(self) -> float:
+        return self.partial_credit()
+
+    def partial_credit(self) -> float:
+        good = [c for c in self.calls if c.ok and c.name == calculator.name]
+        if any(last_number(c.result) == self.answer for c in good):
+            return 0.5
+        return 0.2 if good else 0.0
+
+
+__all__ = ["CalculatorEnv", "CalculatorError", "TEMPLATES", "calculator", "evaluate", "format_number", "last_number", "make_word_problem"]

@@ -1,0 +1,69 @@
+"""The rollout phase of a multi-agent step: every seating plays its games, the global barrier closes.
+
+Each seating is one rollout call (on remote backends, a separate container);
+they run concurrently. A trained policy's rollouts count as in once every
+seating it plays in has returned; the coordinator then holds all updates
+until every policy's rollouts are in.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from tinkerless.coordinator import Coordinator
+from tinkerless.sdk.agents import Frozen, frozen_adapters, seatings
+from tinkerless.wire import pack_code
+from tinkerless.wire.messages import Episode, MultiAgentRolloutRequest, Seat
+
+
+def build_seats(agents: Any) -> list[dict[str, Seat]]:
+    """Turn the user's seatings into wire `Seat`s (opponent functions packed by value)."""
+    frozen = frozen_adapters(agents)
+    out = []
+    for seating in seatings(agents):
+        seats = {}
+        for role, seat in seating.items():
+            if isinstance(seat, str):
+                seats[role] = Seat(policy=seat)
+            elif isinstance(seat, Frozen):
+                seats[role] = Seat(policy=frozen[seat.adapter] if seat.adapter else "base", trainable=False)
+            else:
+                seats[role] = Seat(opponent=pack_code(seat, name=getattr(seat, "__qualname__", role)), trainable=False)
+        out.append(seats)
+    return out
+
+
+def play_step(
+    seat_list: list[dict[str, Seat]],
+    make_request: Callable[[dict[str, Seat], int], MultiAgentRolloutRequest],
+    rollout: Callable[[MultiAgentRolloutRequest], Any],
+    coordinator: Coordinator,
+    step: int,
+    on_event: Callable[[str, str], None],
+) -> list[Episode]:
+    """Play every seating; submit each trained policy to the barrier once all its seatings are done."""
+    owed = {p: {i for i, s in enumerate(seat_list) if any(x.policy == p and x.trainable for x in s.values())}
+            for p in {x.policy for s in seat_list for x in s.values() if x.trainable}}
+    episodes: list[Episode] = []
+
+    def play(index: int) -> list[Episode]:
+        result = rollout(make_request(seat_list[index], index))
+        for episode in result.episodes:
+            episode.info["seating"] = index
+        return result.episodes
+
+    with ThreadPoolExecutor(max_workers=max(1, len(seat_list))) as pool:
+        futures = {pool.submit(play, i): i for i in range(len(seat_list))}
+        for future, index in futures.items():
+            episodes.extend(future.result())
+            for policy, pending in owed.items():
+                pending.discard(index)
+                if not pending and policy not in _submitted(coordinator):
+                    coordinator.submit_rollout(step, policy)
+                    on_event("rollouts_in", policy)
+    return episodes
+
+
+def _submitted(coordinator: Coordinator) -> set[str]:
+    return set(coordinator.state.rollouts_submitted)
