@@ -248,6 +248,10 @@ class GomokuEnv:
     def turn(self) -> str | None:
         return self.to_move
 
+    def response_prefix(self, agent: str) -> str:
+        """The coordinator starts each reply with this, so the model only has to name the cell."""
+        return "move: "
+
     def system_prompt(self, agent: str) -> str:
         self._check_role(agent)
         b = self.board
@@ -275,6 +279,8 @@ class GomokuEnv:
             left = self.max_invalid - self.invalid[agent]
             lines.append(f"Your previous answer was invalid: {self.last_error[agent]} ({left} invalid answers left before you forfeit).")
         lines.append(b.render())
+        # Listing the free cells right before the answer lets a small model copy a legal move.
+        lines.append("Free cells: " + " ".join(move_name(r, c) for r, c in b.legal_moves()))
         lines.append(f'Answer with one move: "move: <column letter><row number>", e.g. "move: {self._example()}".')
         return "\n".join(lines)
 

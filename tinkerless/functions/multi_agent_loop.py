@@ -34,6 +34,7 @@ class _Game:
     runs: dict[str, _Run] = field(default_factory=dict)  # model-played roles
     rewards: dict[str, float] = field(default_factory=dict)
     rng: random.Random | None = None
+    prefixes: dict[str, str] = field(default_factory=dict)
     done: bool = False
     status: str = "ok"
     error: str | None = None
@@ -114,7 +115,7 @@ def run_games(
                 run = game.runs[role]
                 room = max(limits.max_episode_tokens - len(run.tokens), 0)
                 run.append(generation.tokens[:room], sampled=True, logprobs=generation.logprobs[:room])
-                text = chat.tokenizer.decode(generation.tokens[:room], skip_special_tokens=True)
+                text = game.prefixes.get(role, "") + chat.tokenizer.decode(generation.tokens[:room], skip_special_tokens=True)
                 run.transcript.append({"role": "assistant", "content": text})
                 _apply_step(game, role, text, env_name)
         turn += 1
@@ -164,6 +165,11 @@ def _prepare_context(game: _Game, role: str, chat: ChatFormat, limits: EpisodeLi
             return False
         run.append(tokens, sampled=False)
         run.transcript.append({"role": "user", "content": observation})
+    # An env may start the agent's reply for it (e.g. "move: "); those tokens are not sampled (mask 0).
+    prefix = str(game.env.response_prefix(role)) if hasattr(game.env, "response_prefix") else ""
+    if prefix:
+        run.append(chat.encode(prefix), sampled=False)
+    game.prefixes[role] = prefix
     run.state = EpisodeState.GENERATING
     return True
 
