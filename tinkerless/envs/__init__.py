@@ -1,5 +1,12 @@
-"""Environments: the env protocol (`StepResult`, reward checks) and built-in envs."""
+"""Environments: the env protocols and built-in envs.
 
-from tinkerless.envs.base import StepResult, as_step_result, check_reward
+- `base`: `StepResult` (single-agent `step`), `MultiStepResult` (multi-agent `step`), reward checks;
+- `tools`: `@tool`, `ToolEnv` and the tool-calling format (`<tool_call>{...}</tool_call>`, `<answer>...</answer>`);
+- `calculator`: math word problems with a calculator tool;
+- `python_tool`: problems solved by running model-written Python in `sandbox` (a limited, isolated process);
+- `gomoku`: two-player gomoku with scripted `random_opponent` / `greedy_opponent`.
+"""
 
-__all__ = ["StepResult", "as_step_result", "check_reward"]
+from tinkerless.envs.base import MultiStepResult, StepResult, as_step_result, check_reward, is_multi_agent
+
+__all__ = ["MultiStepResult", "StepResult", "as_step_result", "check_reward", "is_multi_agent"]

@@ -213,7 +213,12 @@ class CalculatorEnv(ToolEnv):
     - 1.0: the last number in the final answer is the right one;
     - 0.5: not answered right, but a calculator call returned the right number;
     - 0.2: not answered right, but the calculator was called with a well-formed expression;
+    - 0.1: a <tool_call> was attempted but could not be run (bad JSON, unknown tool, bad arguments);
     - 0.0: otherwise.
+
+    The question ends with a one-line format `reminder`: SmolLM2-135M ignores the
+    format in the system prompt, but with the reminder about a third of its replies
+    try a <tool_call>, which the 0.1 step of the ladder then reinforces.
     """
 
     tools = [calculator]
@@ -222,11 +227,12 @@ class CalculatorEnv(ToolEnv):
         "Solve the math word problem. Call the calculator to compute, "
         "then give the final number in <answer></answer> tags."
     )
+    reminder = "Reply with a <tool_call> to the calculator, or with <answer>NUMBER</answer>."
 
     def reset(self, question: str, answer: int) -> str:
         self.question = question
         self.answer = answer
-        return question
+        return f"{question}\n\n{self.reminder}" if self.reminder else question
 
     def score(self, answer: str) -> float:
         number = last_number(answer)
@@ -241,7 +247,9 @@ class CalculatorEnv(ToolEnv):
         good = [c for c in self.calls if c.ok and c.name == calculator.name]
         if any(last_number(c.result) == self.answer for c in good):
             return 0.5
-        return 0.2 if good else 0.0
+        if good:
+            return 0.2
+        return 0.1 if self.calls else 0.0
 
 
 __all__ = ["CalculatorEnv", "CalculatorError", "TEMPLATES", "calculator", "evaluate", "format_number", "last_number", "make_word_problem"]

@@ -30,7 +30,7 @@ import json
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Union
 
 from tinkerless.envs.base import StepResult
