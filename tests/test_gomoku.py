@@ -202,7 +202,8 @@ def test_observation_shows_role_last_move_board_and_format():
     assert "You play white (O)" in obs
     assert "Opponent's last move: d4." in obs
     assert "Moves: X d4" in obs
-    assert obs.splitlines()[-1].startswith('Answer with one move: "move: <column letter><row number>"')
+    assert obs.splitlines()[-1].startswith('Answer with one move: "move: <free cell number>"')
+    assert obs.splitlines()[-2].startswith("Free cells: ") and " 25 " not in obs.splitlines()[-2] + " "  # d4 = cell 25 on 7x7
 
 
 def test_penalty_and_forfeit_after_max_invalid():
@@ -337,3 +338,22 @@ def test_env_class_survives_cloudpickle(cls):
     result = env.step(env.turn(), "move: b2")
     assert isinstance(result, MultiStepResult)
     assert env.turn() == WHITE
+
+
+def test_numbered_cells_are_parsed_row_by_row():
+    assert parse_move("move: 7", 4, cell_numbers=True) == (1, 2)
+    assert parse_move("move: 1 . . .", 4, cell_numbers=True) == (0, 0)
+    assert parse_move("move: 16", 4, cell_numbers=True) == (3, 3)
+    assert parse_move("move: 17", 4, cell_numbers=True) is None
+    assert parse_move("move: b2", 4, cell_numbers=True) == (1, 1)  # coordinates still work
+    assert parse_move("move: 7", 4) is None  # numbers only when the board is numbered
+
+
+def test_numbered_cell_move_is_played_and_taken_cells_are_refused():
+    env = GomokuEnv()
+    env.reset(size=4, win_length=3)
+    env.step(BLACK, "move: 6")
+    assert env.board.cells[1][1] == BLACK
+    result = env.step(WHITE, "move: 6")
+    assert result.rewards[WHITE] < 0 and env.turn() == WHITE
+    assert "already taken" in env.observation(WHITE)

@@ -185,8 +185,22 @@ def find_move(text: str) -> tuple[int, int] | None:
     return None if best is None else (best[1], best[2])
 
 
-def parse_move(text: str, size: int) -> Cell | None:
-    """A move from free text as a 0-based (row, col), or None if absent or off a size×size board."""
+_CELL_NUMBER = re.compile(r"^\s*(\d{1,3})(?!\d)")
+
+
+def parse_move(text: str, size: int, *, cell_numbers: bool = False) -> Cell | None:
+    """A move from free text as a 0-based (row, col), or None if absent or off a size×size board.
+
+    With `cell_numbers`, a reply (after its last "move:") that starts with a number
+    names the cell counted row by row from 1, as shown on a numbered board.
+    """
+    if cell_numbers:
+        marks = list(_MARKER.finditer(text))
+        tail = text[marks[-1].end():] if marks else text
+        number = _CELL_NUMBER.match(tail)
+        if number and find_move(tail[: number.end()]) is None:
+            index = int(number.group(1)) - 1
+            return divmod(index, size) if 0 <= index < size * size else None
     found = find_move(text)
     if found is None:
         return None
@@ -214,6 +228,9 @@ class GomokuEnv:
     default_win_length: int = 4
     default_max_invalid: int = 3
     default_invalid_penalty: float = -0.1
+    # Show empty cells by number (and accept "move: 7"): small models copy numbers far more
+    # reliably than "c3"-style names. Coordinates are accepted either way.
+    numbered_cells: bool = True
 
     def __init__(self) -> None:
         self.reset()
@@ -280,8 +297,12 @@ class GomokuEnv:
             lines.append(f"Your previous answer was invalid: {self.last_error[agent]} ({left} invalid answers left before you forfeit).")
         lines.append(b.render())
         # Listing the free cells right before the answer lets a small model copy a legal move.
-        lines.append("Free cells: " + " ".join(move_name(r, c) for r, c in b.legal_moves()))
-        lines.append(f'Answer with one move: "move: <column letter><row number>", e.g. "move: {self._example()}".')
+        if self.numbered_cells:
+            lines.append("Free cells: " + " ".join(str(r * b.size + c + 1) for r, c in b.legal_moves()))
+            lines.append('Answer with one move: "move: <free cell number>", or a coordinate like "move: b2".')
+        else:
+            lines.append("Free cells: " + " ".join(move_name(r, c) for r, c in b.legal_moves()))
+            lines.append(f'Answer with one move: "move: <column letter><row number>", e.g. "move: {self._example()}".')
         return "\n".join(lines)
 
     def step(self, agent: str, action: str) -> MultiStepResult:
@@ -304,7 +325,7 @@ class GomokuEnv:
                 return self._finish(other(agent), rewards)
             return MultiStepResult(rewards=rewards, done=False, info=self._info(error=error))
 
-        row, col = parse_move(str(action), self.board.size)  # type: ignore[misc]  # valid per _invalid_reason
+        row, col = self._parse(str(action))  # type: ignore[misc]  # valid per _invalid_reason
         self.board.place(row, col, agent)
         self.last_error[agent] = None
         if self.board.wins_at(row, col, agent):
@@ -324,14 +345,18 @@ class GomokuEnv:
         center = self.board.size // 2
         return move_name(center, center)
 
+    def _parse(self, action: str) -> Cell | None:
+        return parse_move(action, self.board.size, cell_numbers=self.numbered_cells)
+
     def _invalid_reason(self, action: str) -> str | None:
-        found = find_move(action)
         size = self.board.size
-        if found is None:
-            return f'no move found in the answer; write e.g. "move: {self._example()}"'
-        row, col = found[0] - 1, found[1] - 1
-        if not self.board.on_board(row, col):
+        cell = self._parse(action)
+        if cell is None:
+            found = find_move(action)
+            if found is None:
+                return f'no move found in the answer; write e.g. "move: {self._example()}"'
             return f"row {found[0]}, column {found[1]} is off the {size}x{size} board"
+        row, col = cell
         if self.board.cells[row][col] is not None:
             return f"{move_name(row, col)} is already taken"
         return None
