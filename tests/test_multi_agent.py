@@ -182,3 +182,11 @@ def test_turn_keeper_refuses_out_of_turn_actions():
         keeper.declare("x")
     with pytest.raises(EnvError, match="unknown agent 'q' at turn 3"):
         keeper.declare("q")
+
+
+def test_games_are_deterministic_for_a_seed(ma_worker):
+    first = _play(ma_worker, RelayEnv, SEATS, group_size=3)
+    again = _play(ma_worker, RelayEnv, SEATS, group_size=3)
+    assert [(e.info["game"], e.info["role"], e.tokens.tolist(), e.reward) for e in first] == [
+        (e.info["game"], e.info["role"], e.tokens.tolist(), e.reward) for e in again
+    ]

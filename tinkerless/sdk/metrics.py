@@ -101,14 +101,7 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str |
             high = [m + s for m, s in zip(values, std)]
             ax.fill_between(steps, low, high, alpha=0.25, label="± reward_std")
             ax.legend(loc="best", fontsize="small")
-    axes[-1].set_xlabel("step")
-    if title:
-        fig.suptitle(title)
-
-    png_path = Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, format="png", dpi=100)
-    return str(png_path)
+    return _save(fig, axes, png_path, title)
 
 
 def _jsonable(value: Any) -> Any:
@@ -175,6 +168,10 @@ def plot_outcomes(metrics_path: str | Path, png_path: str | Path, policies: list
         ax.set_ylim(-0.05, 1.05)
         ax.grid(True, alpha=0.3)
         ax.legend(loc="best", fontsize="small")
+    return _save(fig, axes, png_path, title)
+
+
+def _save(fig, axes, png_path: str | Path, title: str | None) -> str:
     axes[-1].set_xlabel("step")
     if title:
         fig.suptitle(title)
