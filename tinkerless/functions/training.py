@@ -44,31 +44,66 @@ def make_batch(data: list[Datum], pad_id: int, device: torch.device) -> Batch:
     return Batch(input_ids.to(device), attention.to(device), lengths)
 
 
-def token_logprobs(model, batch: Batch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of every token given its prefix, aligned with the tokens (column 0 is 0)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention).logits[:, :-1].float()
-    targets = batch.input_ids[:, 1:]
+def token_logprobs(
+    model, batch: Batch, *, positions: torch.Tensor | None = None, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of every token given its prefix, aligned with the tokens (column 0 is 0).
+
+    `positions` (sorted target positions) limits the vocabulary projection to the
+    tokens that need it: logits are [B, T, V] and dominate memory for long
+    episodes, while a loss only reads the sampled tokens. Other entries are 0.
+    """
+    width = batch.input_ids.shape[1]
+    if positions is None:
+        positions = torch.arange(1, width, device=batch.input_ids.device)
+    # The logits at position p - 1 predict token p.
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention, logits_to_keep=positions - 1
+    ).logits.float()
+    targets = batch.input_ids[:, positions]
     picked = torch.gather(logits, 2, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    logprobs = torch.nn.functional.pad(picked, (1, 0))
+    logprobs = torch.zeros(batch.input_ids.shape, dtype=picked.dtype, device=picked.device)
+    logprobs = logprobs.index_copy(1, positions, picked)
     entropy = None
     if with_entropy:
         with torch.no_grad():
             logp = torch.log_softmax(logits.detach(), dim=-1)
-            entropy = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+            entropy = torch.zeros(batch.input_ids.shape, device=logp.device)
+            entropy[:, positions] = -(logp.exp() * logp).sum(-1)
     return logprobs, entropy
 
 
-def _micro_batches(data: list[Datum], micro_batch_size: int):
-    for start in range(0, len(data), micro_batch_size):
-        yield data[start : start + micro_batch_size]
+def trained_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Sorted positions where any row has a trained token (never 0: it has no prefix)."""
+    positions = torch.nonzero(mask[:, 1:].sum(0) > 0).squeeze(-1) + 1
+    return positions if len(positions) else torch.ones(1, dtype=torch.long, device=mask.device)
+
+
+# Padded tokens per micro-batch: activations for backward grow with batch x length,
+# so long multi-turn episodes go in smaller micro-batches than short single-turn ones.
+MICRO_BATCH_TOKENS = 4096
+
+
+def _micro_batches(data: list, micro_batch_size: int, lengths: list[int]):
+    """Consecutive slices of at most `micro_batch_size` items and MICRO_BATCH_TOKENS padded tokens."""
+    start = 0
+    while start < len(data):
+        end, width = start, 0
+        while end < len(data) and end - start < micro_batch_size:
+            width = max(width, lengths[end])
+            if end > start and (end - start + 1) * width > MICRO_BATCH_TOKENS:
+                break
+            end += 1
+        yield start, end
+        start = end
 
 
 def forward(model, data: list[Datum], pad_id: int, micro_batch_size: int) -> list[np.ndarray]:
     device = next(model.parameters()).device
     out: list[np.ndarray] = []
     with torch.no_grad():
-        for micro in _micro_batches(data, micro_batch_size):
-            batch = make_batch(micro, pad_id, device)
+        for start, end in _micro_batches(data, micro_batch_size, [len(d.tokens) for d in data]):
+            batch = make_batch(data[start:end], pad_id, device)
             logprobs, _ = token_logprobs(model, batch)
             out.extend(logprobs[row, :n].cpu().numpy().astype(np.float32) for row, n in enumerate(batch.lengths))
     return out
@@ -95,13 +130,14 @@ def forward_backward(
     weights: dict[str, float] = {}
     entropy_sum, token_count = 0.0, 0.0
     all_logprobs: list[np.ndarray] = []
-    for micro, micro_masks in zip(_micro_batches(data, micro_batch_size), _micro_batches(masks, micro_batch_size)):
-        share = _normalizer(config, micro_masks) / total if total > 0 else 0.0
+    for start, end in _micro_batches(data, micro_batch_size, [len(m) for m in masks]):
+        micro = data[start:end]
+        share = _normalizer(config, masks[start:end]) / total if total > 0 else 0.0
         if share == 0.0 and config.normalization != "constant":
             continue  # nothing trainable in this micro-batch
         batch = make_batch(micro, pad_id, device)
-        logprobs, entropy = token_logprobs(model, batch, with_entropy=True)
         mask = batch.field(micro, "mask")
+        logprobs, entropy = token_logprobs(model, batch, positions=trained_positions(mask), with_entropy=True)
         loss, metrics = compute_loss(
             config,
             logprobs,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs
+from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs, run_prefix
 from tinkerless.errors import ConfigError, EnvError, UserError
 from tinkerless.sdk.advantages import group_advantages
 from tinkerless.sdk.backends import Backend, make_backend
@@ -120,8 +120,7 @@ class _Run:
         return Coordinator.create(self.store, run_id, config.summary()), False
 
     def _run_dir(self) -> Path:
-        key = f"runs/{self.run_id}"
-        local = self.store.local_path(key)
+        local = self.store.local_path(run_prefix(self.run_id))
         path = Path(local) if local else Path("runs") / self.run_id
         path.mkdir(parents=True, exist_ok=True)
         return path
