@@ -17,7 +17,7 @@ config = tinkerless.TrainConfig(
     model="smollm2",
     env=GomokuEnv,
     agents=tinkerless.self_play(("black", "white"), policy="player"),
-    tasks=lambda rng: {"size": 5, "win_length": 3},
+    tasks=lambda rng: {"size": 4, "win_length": 3},
     steps=8,
     batch_size=2,
     group_size=4,
