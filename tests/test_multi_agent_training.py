@@ -68,3 +68,11 @@ def test_multi_agent_env_needs_agents(tmp_path, tiny_model):
         _train(tmp_path, tiny_model, agents={"black": "me"})
     with pytest.raises(ConfigError, match="no role is played by a trained policy"):
         _train(tmp_path, tiny_model, agents={"black": tinkerless.Frozen(), "white": random_opponent})
+
+
+def test_eval_refuses_multi_agent_envs_clearly(tiny_model):
+    from tinkerless.sdk.evaluate import evaluate
+
+    config = tinkerless.TrainConfig(model=tiny_model, env=GomokuEnv, tasks=TASKS, agents=tinkerless.self_play(("black", "white")))
+    with pytest.raises(ConfigError, match="multi-agent"):
+        evaluate(config)

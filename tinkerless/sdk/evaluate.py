@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tinkerless.coordinator import checkpoint_prefix
-from tinkerless.errors import UserError
+from tinkerless.envs.base import is_multi_agent
+from tinkerless.errors import ConfigError, UserError
 from tinkerless.sdk.backends import make_backend
 from tinkerless.sdk.client import TrainingClient
 from tinkerless.sdk.config import TrainConfig
@@ -65,6 +66,11 @@ def evaluate(
     episodes: int = 32,
     seed: int = 12345,
 ) -> EvalReport:
+    if config.env is not None and is_multi_agent(config.env):
+        raise ConfigError(
+            f"`tinkerless eval` runs single-agent envs; {config.env.__qualname__} is multi-agent",
+            hint="train with the opponent you want to measure against (e.g. tinkerless.Frozen(...)) and read its win rates",
+        )
     state = load_policy_state(config, run_id=run_id, step=step, adapter=adapter)
     backend = make_backend(config.backend, config.model, engine=config.engine)
     policy = "base"
