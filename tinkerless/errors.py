@@ -75,11 +75,13 @@ class CorruptCheckpoint(StorageError):
 class RemoteError(TinkerlessError):
     """An error reported by a remote function, re-raised on the client."""
 
-    def __init__(self, message: str, *, category: str = "server", remote_type: str = "", traceback: str = ""):
+    def __init__(
+        self, message: str, *, category: str = "server", remote_type: str = "", traceback: str = "", hint: str | None = None
+    ):
         self.category = category
         self.remote_type = remote_type
         self.remote_traceback = traceback
-        super().__init__(message)
+        super().__init__(message, hint=hint)
 
 
 def error_class_for(name: str) -> type[TinkerlessError] | None:

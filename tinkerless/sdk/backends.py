@@ -71,9 +71,13 @@ def make_backend(backend: str | Backend, model: str, **options: Any) -> Backend:
         return backend
     if backend == "local":
         return LocalBackend(model, **options)
-    if backend in ("modal", "sky") or backend.startswith(("http://", "https://")):
+    if backend.startswith(("http://", "https://")):
+        from tinkerless.sdk.http_backend import HTTPBackend  # httpx loads only for remote runs
+
+        return HTTPBackend(backend)  # engine and micro-batch size are the server's to set
+    if backend in ("modal", "sky"):
         raise ConfigError(
             f"backend {backend!r} is not available in this version of tinkerless",
-            hint="use backend='local'; remote backends (HTTP server, Modal, SkyPilot) arrive in later releases",
+            hint="use backend='local' or a `tinkerless serve` URL ('http://host:port'); Modal and SkyPilot arrive later",
         )
     raise ConfigError(f"unknown backend {backend!r}", hint="backend='local', 'modal', 'sky' or 'http://host:port'")

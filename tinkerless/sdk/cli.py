@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue a run from its latest checkpoint")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    serve = sub.add_parser("serve", help="serve a model over HTTP for backend='http://host:port'")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", default="smollm2")
+    serve.add_argument("--storage", default=None)
+
     runs = sub.add_parser("runs", help="list runs in a storage location")
     runs.add_argument("--storage", default=".")
 
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "runs":
             return _runs(args)
+        if args.command == "serve":
+            return _serve(args)
         return _eval(args)
     except TinkerlessError as exc:
         print(f"tinkerless: error: {exc}", file=sys.stderr)
@@ -125,6 +133,15 @@ def _train(args) -> int:
     if args.no_progress:
         changes["progress"] = False
     train(config.replace(**changes))
+    return 0
+
+
+def _serve(args) -> int:
+    try:
+        from tinkerless.server import serve
+    except ImportError as exc:
+        raise ConfigError(f"`tinkerless serve` needs fastapi and uvicorn ({exc})", hint="pip install 'tinkerless[serve]'") from exc
+    serve(args.host, args.port, model=args.model, storage=args.storage)
     return 0
 
 

@@ -1,0 +1,59 @@
+"""`HTTPBackend`: run the functions on a `tinkerless serve` server over HTTP.
+
+It posts the same msgpack envelopes the local backend hands its worker in-process
+and returns the reply bytes, error replies included (400/413/500 carry an encoded
+`ErrorReply`), so `tinkerless.sdk.backends.call` raises the same typed errors.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from tinkerless.errors import RemoteError
+
+MSGPACK = "application/msgpack"
+_ENVELOPE_STATUSES = (200, 400, 413, 500)  # statuses whose body is a msgpack envelope from the server
+_START_HINT = "start the server with `tinkerless serve --host 127.0.0.1 --port 8000 --model MODEL` and check the URL"
+
+
+class HTTPBackend:
+    """A Backend whose functions run on a tinkerless HTTP server at `base_url`."""
+
+    name = "http"
+
+    def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0):
+        self.base_url = base_url.rstrip("/")
+        # A call may compute for minutes (rollouts, updates); only connecting should fail fast.
+        self._client = httpx.Client(
+            base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout))
+        )
+
+    def call_bytes(self, method: str, payload: bytes) -> bytes:
+        url = f"{self.base_url}/v1/call/{method}"
+        try:
+            response = self._client.post(f"/v1/call/{method}", content=payload, headers={"Content-Type": MSGPACK})
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise _remote_error(f"cannot reach the tinkerless server at {self.base_url} ({exc})", _START_HINT) from exc
+        except httpx.TimeoutException as exc:
+            raise _remote_error(
+                f"{method} on {url} did not answer in time ({exc})",
+                "raise HTTPBackend(timeout=...) for long calls, or check the server's log",
+            ) from exc
+        except httpx.TransportError as exc:
+            raise _remote_error(
+                f"connection to {url} failed during {method} ({type(exc).__name__}: {exc})",
+                "check that the server is still running (its log says why it stopped) and retry",
+            ) from exc
+        if response.status_code in _ENVELOPE_STATUSES and response.headers.get("content-type", "").startswith(MSGPACK):
+            return response.content
+        raise _remote_error(
+            f"{url} answered HTTP {response.status_code} without a tinkerless reply: {response.text[:200]!r}",
+            "check that the URL points at a `tinkerless serve` server (not a proxy or another service)",
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _remote_error(message: str, hint: str) -> RemoteError:
+    return RemoteError(message, hint=hint)

@@ -1,0 +1,146 @@
+"""HTTP transport for the worker: the same msgpack envelopes the local backend uses, over HTTP.
+
+    POST /v1/call/{method}   body: encoded request envelope (application/msgpack)
+                             200: encoded reply; 400/500: encoded `ErrorReply` (user/server);
+                             413: encoded `ErrorReply` (ProtocolError) when the body is too large
+    GET  /healthz            {"status": "ok", "model": ..., "policies": {name: version}}
+
+Error bodies are still msgpack envelopes so `tinkerless.sdk.backends.call` raises the
+same typed error over HTTP as in-process. One model lives in the process, so calls run
+one at a time (in a worker thread, keeping the event loop free for health checks).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tinkerless.errors import ProtocolError
+from tinkerless.wire import decode_message, encode_message
+from tinkerless.wire.messages import ErrorReply
+
+MSGPACK = "application/msgpack"
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+# Replies that carry an ErrorReply contain its type tag; only those are decoded to pick a status.
+_ERROR_TAG = f"{ErrorReply.__module__}:{ErrorReply.__qualname__}".encode()
+
+
+class Handler(Protocol):
+    """What the app needs from a worker (tinkerless.functions.worker.Worker fits)."""
+
+    def handle(self, method: str, payload: bytes) -> bytes: ...
+
+    def info(self, _request: Any = None) -> dict: ...
+
+
+class _RequestTooLarge(Exception):
+    def __init__(self, size: int, limit: int):
+        super().__init__(size, limit)
+        self.size = size
+        self.limit = limit
+
+
+def create_app(
+    worker_factory_or_worker: Handler | Callable[[], Handler],
+    *,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    """A FastAPI app serving one worker (or the worker a zero-argument factory builds, built now)."""
+    worker: Handler = (
+        worker_factory_or_worker
+        if hasattr(worker_factory_or_worker, "handle")
+        else worker_factory_or_worker()  # type: ignore[operator]
+    )
+    app = FastAPI(title="tinkerless", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    app.state.max_request_bytes = max_request_bytes
+    lock: list[anyio.Lock] = []  # created on first use, inside the server's event loop
+
+    @app.post("/v1/call/{method}")
+    async def call(method: str, request: Request) -> Response:
+        try:
+            body = await _read_body(request, max_request_bytes)
+        except _RequestTooLarge as too_large:
+            return _error_response(
+                413,
+                ProtocolError(
+                    f"request body of {too_large.size} bytes is over this server's limit of {too_large.limit} bytes "
+                    f"(max_request_bytes)",
+                    hint="send smaller batches (fewer tasks or data per call) or start the server with a larger limit",
+                ),
+            )
+        except ProtocolError as exc:
+            return _error_response(400, exc)
+        if not lock:
+            lock.append(anyio.Lock())
+        async with lock[0]:
+            # Not cancellable once started: a dropped client must not leave the model mid-update.
+            reply = await anyio.to_thread.run_sync(worker.handle, method, body)
+        return Response(content=reply, status_code=_status_for(reply), media_type=MSGPACK)
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        info = worker.info()
+        return JSONResponse({"status": "ok", "model": info.get("model"), "policies": dict(info.get("policies", {}))})
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing early on the declared Content-Length and again on the bytes actually sent."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise ProtocolError(f"invalid Content-Length header {declared!r}", hint="send a numeric Content-Length") from None
+        if size > limit:
+            raise _RequestTooLarge(size, limit)
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:  # chunked uploads (or a lying header) are cut off here
+            raise _RequestTooLarge(received, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _status_for(reply: bytes) -> int:
+    if _ERROR_TAG not in reply:
+        return 200
+    try:
+        body = decode_message(reply)
+    except Exception:
+        return 500  # the worker always encodes valid envelopes; anything else is the server's fault
+    if isinstance(body, ErrorReply):
+        return 400 if body.category == "user" else 500
+    return 200
+
+
+def _error_response(status: int, exc: ProtocolError) -> Response:
+    reply = ErrorReply(error=exc.message, category=exc.category, type=type(exc).__name__, hint=exc.hint)
+    return Response(content=encode_message(reply), status_code=status, media_type=MSGPACK)
+
+
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    model: str,
+    storage: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    log_level: str = "info",
+    **worker_options: Any,
+) -> None:
+    """Load `model` into a Worker and serve it until interrupted (binds to localhost unless told otherwise)."""
+    import uvicorn
+
+    from tinkerless.functions.worker import Worker
+
+    app = create_app(Worker(model, **worker_options), max_request_bytes=max_request_bytes)
+    app.state.storage = storage  # where server-side state will live; the worker itself keeps none yet
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
