@@ -291,3 +291,15 @@ def test_backend_url_string_selects_the_http_backend(tiny_model, server_url, tmp
         max_tokens=4, storage=str(tmp_path), progress=False, backend=server_url,
     )
     assert result.metrics[0]["episodes"] == 2
+
+
+def test_runs_sharing_a_server_start_from_their_own_fresh_adapters(tiny_model, server_url, tmp_path):
+    """Runs on one server get their own adapters: a second run does not continue the first one's."""
+    import httpx
+
+    first = _train(tiny_model, tmp_path / "one", HTTPBackend(server_url, timeout=120))
+    second = _train(tiny_model, tmp_path / "two", HTTPBackend(server_url, timeout=120))
+    assert [r["reward_mean"] for r in second.metrics] == [r["reward_mean"] for r in first.metrics]
+    assert _adapter_files(tmp_path / "two", second) == _adapter_files(tmp_path / "one", first)
+    policies = httpx.get(server_url + "/healthz").json()["policies"]
+    assert len([p for p in policies if p.endswith("-default")]) >= 2

@@ -13,10 +13,13 @@ A power user can drive training by hand:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tinkerless.functions.losses import LossConfig
 from tinkerless.sdk.backends import Backend, call
+
+BASE_POLICY = "base"  # the base model with no adapter, on every worker
 from tinkerless.wire.messages import (
     AdamParams,
     CreatePolicyRequest,
@@ -47,42 +50,71 @@ def _loss(loss: LossConfig | str) -> LossConfig:
 
 
 class TrainingClient:
-    def __init__(self, backend: Backend, policy: str = "default", lora: LoraConfig | None = None, *, create: bool = True):
+    """Calls on one policy. `namespace` scopes policy names on the worker, so runs that share
+    a server (one base model, many adapters) never touch each other's adapters."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        policy: str = "default",
+        lora: LoraConfig | None = None,
+        *,
+        create: bool = True,
+        namespace: str = "",
+    ):
         self.backend = backend
         self.policy = policy
+        self.namespace = namespace
         if create:
-            call(backend, "create_policy", CreatePolicyRequest(policy, lora or LoraConfig()))
+            call(backend, "create_policy", CreatePolicyRequest(self.remote(policy), lora or LoraConfig()))
+
+    def remote(self, policy: str | None) -> str | None:
+        """The worker-side name of a policy ("base", the bare model, is shared)."""
+        if not self.namespace or policy in (None, BASE_POLICY):
+            return policy
+        return f"{self.namespace}-{policy}"
 
     def info(self) -> dict:
         return call(self.backend, "info", {})
 
     def rollout(self, request: RolloutRequest) -> RolloutResult:
+        request = dataclasses.replace(request, policy=self.remote(request.policy))
         return call(self.backend, "rollout", request)
 
     def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
-        return call(self.backend, "rollout_multi", request)
+        seats = {role: dataclasses.replace(seat, policy=self.remote(seat.policy)) for role, seat in request.seats.items()}
+        result = call(self.backend, "rollout_multi", dataclasses.replace(request, seats=seats))
+        local = {self.remote(seat.policy): seat.policy for seat in request.seats.values()}
+        for episode in result.episodes:  # report policies by the names the caller used
+            episode.info["policy"] = local.get(episode.info.get("policy"), episode.info.get("policy"))
+        return result
 
     def sample(
         self, prompts: list[Any], n: int = 1, params: SamplingParams | None = None, *, seed: int = 0
     ) -> SampleResult:
         """Sample `n` completions per prompt. A prompt is token ids, or a string sent as one user message."""
-        return call(self.backend, "sample", SampleRequest(self.policy, list(prompts), n, params or SamplingParams(), seed))
+        request = SampleRequest(self.remote(self.policy), list(prompts), n, params or SamplingParams(), seed)
+        return call(self.backend, "sample", request)
 
     def forward(self, data: list[Datum], *, with_reference: bool = False) -> ForwardResult:
-        return call(self.backend, "forward", ForwardRequest(self.policy, data, with_reference))
+        return call(self.backend, "forward", ForwardRequest(self.remote(self.policy), data, with_reference))
 
     def forward_backward(self, data: list[Datum], loss: LossConfig | str) -> ForwardBackwardResult:
-        return call(self.backend, "forward_backward", ForwardBackwardRequest(self.policy, data, _loss(loss)))
+        request = ForwardBackwardRequest(self.remote(self.policy), data, _loss(loss))
+        return call(self.backend, "forward_backward", request)
 
     def optim_step(self, adam: AdamParams | None = None) -> OptimStepResult:
-        return call(self.backend, "optim_step", OptimStepRequest(self.policy, adam or AdamParams()))
+        return call(self.backend, "optim_step", OptimStepRequest(self.remote(self.policy), adam or AdamParams()))
 
     def update(self, data: list[Datum], loss: LossConfig | str, adam: AdamParams | None = None) -> UpdateResult:
-        return call(self.backend, "update", UpdateRequest(self.policy, data, _loss(loss), adam or AdamParams()))
+        request = UpdateRequest(self.remote(self.policy), data, _loss(loss), adam or AdamParams())
+        return call(self.backend, "update", request)
 
     def save_state(self, include_optimizer: bool = True) -> PolicyState:
-        return call(self.backend, "save_state", SaveStateRequest(self.policy, include_optimizer))
+        state = call(self.backend, "save_state", SaveStateRequest(self.remote(self.policy), include_optimizer))
+        state.policy = self.policy
+        return state
 
     def load_state(self, state: PolicyState, include_optimizer: bool = True) -> dict:
-        state.policy = self.policy
+        state = dataclasses.replace(state, policy=self.remote(self.policy))
         return call(self.backend, "load_state", LoadStateRequest(state, include_optimizer))

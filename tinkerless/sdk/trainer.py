@@ -7,6 +7,7 @@ optional forward for TIS/KL (functions) → update (functions) → commit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -98,9 +99,14 @@ class _Run:
             self.backend = backend or make_backend(
                 config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size
             )
+            # Worker-side policy names are scoped to this run: a shared server holds many runs' adapters.
+            self.namespace = "r" + hashlib.sha256(f"{self.store.url}|{self.run_id}".encode()).hexdigest()[:10]
             self.clients = {
                 name: TrainingClient(
-                    self.backend, policy=name, lora=LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed + i)
+                    self.backend,
+                    policy=name,
+                    lora=LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed + i),
+                    namespace=self.namespace,
                 )
                 for i, name in enumerate(self.policies)
             }
@@ -296,7 +302,8 @@ class _Run:
         from tinkerless.sdk.evaluate import adapter_files
 
         for path, name in (frozen_adapters(self.config.agents).items() if self.multi_agent else []):
-            TrainingClient(self.backend, name, create=False).load_state(PolicyState(name, adapter_files(path)), include_optimizer=False)
+            frozen = TrainingClient(self.backend, name, create=False, namespace=self.namespace)
+            frozen.load_state(PolicyState(name, adapter_files(path)), include_optimizer=False)
 
     def _datums(self, episodes: list[Episode]) -> list[Datum]:
         if not episodes:
