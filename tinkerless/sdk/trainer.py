@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs, run_prefix
-from tinkerless.errors import ConfigError, EnvError, UserError
+from tinkerless.errors import EnvError, UserError
 from tinkerless.sdk.advantages import group_advantages
 from tinkerless.sdk.backends import Backend, make_backend
 from tinkerless.sdk.client import TrainingClient
@@ -425,4 +425,4 @@ def _tuplify(value: Any) -> Any:
     return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
 
 
-__all__ = ["RunResult", "train", "ConfigError"]
+__all__ = ["RunResult", "train"]
