@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import math
 import sys
+import time
 from pathlib import Path
 
 from tinkerless.errors import ConfigError, TinkerlessError, UserCodeError
@@ -87,7 +88,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model", default="smollm2")
-    serve.add_argument("--storage", default=None)
+    serve.add_argument("--storage", default=".", help="where API keys (and later runs) live")
+    serve.add_argument("--no-auth", action="store_true", help="accept calls without an API key (trusted networks only)")
+
+    keys = sub.add_parser("keys", help="manage API keys of a `tinkerless serve` storage")
+    keys.add_argument("action", choices=("create", "list", "revoke"))
+    keys.add_argument("key_id", nargs="?", help="the key id to revoke")
+    keys.add_argument("--tenant", help="tenant the new key belongs to")
+    keys.add_argument("--storage", default=".")
 
     runs = sub.add_parser("runs", help="list runs in a storage location")
     runs.add_argument("--storage", default=".")
@@ -114,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             return _runs(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "keys":
+            return _keys(args)
         return _eval(args)
     except TinkerlessError as exc:
         print(f"tinkerless: error: {exc}", file=sys.stderr)
@@ -141,7 +151,29 @@ def _serve(args) -> int:
         from tinkerless.server import serve
     except ImportError as exc:
         raise ConfigError(f"`tinkerless serve` needs fastapi and uvicorn ({exc})", hint="pip install 'tinkerless[serve]'") from exc
-    serve(args.host, args.port, model=args.model, storage=args.storage)
+    serve(args.host, args.port, model=args.model, storage=args.storage, auth=not args.no_auth)
+    return 0
+
+
+def _keys(args) -> int:
+    from tinkerless.server.keys import KeyStore
+    from tinkerless.storage import ObjectStore
+
+    store = KeyStore(ObjectStore(args.storage))
+    if args.action == "create":
+        if not args.tenant:
+            raise ConfigError("keys create needs --tenant NAME")
+        print(store.create(args.tenant))
+        print("store this key now: only its hash is kept", file=sys.stderr)
+    elif args.action == "list":
+        for record in store.list():
+            state = "revoked" if record.revoked else "active"
+            print(f"{record.key_id}  {record.tenant:<20} {state:<8} {time.strftime('%Y-%m-%d %H:%M', time.gmtime(record.created_at))}")
+    else:
+        if not args.key_id:
+            raise ConfigError("keys revoke needs the key id (see `tinkerless keys list`)")
+        store.revoke(args.key_id)
+        print(f"revoked {args.key_id}")
     return 0
 
 

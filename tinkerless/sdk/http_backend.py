@@ -7,12 +7,14 @@ and returns the reply bytes, error replies included (400/413/500 carry an encode
 
 from __future__ import annotations
 
+import os
+
 import httpx
 
 from tinkerless.errors import RemoteError
 
 MSGPACK = "application/msgpack"
-_ENVELOPE_STATUSES = (200, 400, 413, 500)  # statuses whose body is a msgpack envelope from the server
+_ENVELOPE_STATUSES = (200, 400, 401, 413, 500)  # statuses whose body is a msgpack envelope from the server
 _START_HINT = "start the server with `tinkerless serve --host 127.0.0.1 --port 8000 --model MODEL` and check the URL"
 
 
@@ -21,11 +23,16 @@ class HTTPBackend:
 
     name = "http"
 
-    def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0):
+    def __init__(
+        self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0, connect_timeout: float = 10.0
+    ):
         self.base_url = base_url.rstrip("/")
+        api_key = api_key or os.environ.get("TINKERLESS_API_KEY")
         # A call may compute for minutes (rollouts, updates); only connecting should fail fast.
         self._client = httpx.Client(
-            base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout))
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
         )
 
     def call_bytes(self, method: str, payload: bytes) -> bytes:

@@ -18,7 +18,8 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tinkerless.errors import ProtocolError
+from tinkerless.errors import ProtocolError, TinkerlessError, UserError
+from tinkerless.server.keys import KeyStore
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import ErrorReply
 
@@ -47,8 +48,13 @@ def create_app(
     worker_factory_or_worker: Handler | Callable[[], Handler],
     *,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    keys: KeyStore | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving one worker (or the worker a zero-argument factory builds, built now)."""
+    """A FastAPI app serving one worker (or the worker a zero-argument factory builds, built now).
+
+    With `keys`, every call needs `Authorization: Bearer <key>`; `/healthz` then answers
+    only `{"status": "ok"}` to callers without a key (enough for a readiness probe).
+    """
     worker: Handler = (
         worker_factory_or_worker
         if hasattr(worker_factory_or_worker, "handle")
@@ -59,8 +65,24 @@ def create_app(
     app.state.max_request_bytes = max_request_bytes
     lock: list[anyio.Lock] = []  # created on first use, inside the server's event loop
 
+    def authorized(request: Request) -> bool:
+        if keys is None:
+            return True
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
+        return keys.tenant_for(key) is not None
+
     @app.post("/v1/call/{method}")
     async def call(method: str, request: Request) -> Response:
+        if not authorized(request):
+            return _error_response(
+                401,
+                UserError(
+                    "missing or invalid API key",
+                    hint="pass api_key= to HTTPBackend or set TINKERLESS_API_KEY; "
+                    "an admin issues keys with `tinkerless keys create --tenant NAME`",
+                ),
+            )
         try:
             body = await _read_body(request, max_request_bytes)
         except _RequestTooLarge as too_large:
@@ -82,7 +104,9 @@ def create_app(
         return Response(content=reply, status_code=_status_for(reply), media_type=MSGPACK)
 
     @app.get("/healthz")
-    async def healthz() -> JSONResponse:
+    async def healthz(request: Request) -> JSONResponse:
+        if not authorized(request):
+            return JSONResponse({"status": "ok"})
         info = worker.info()
         return JSONResponse({"status": "ok", "model": info.get("model"), "policies": dict(info.get("policies", {}))})
 
@@ -121,7 +145,7 @@ def _status_for(reply: bytes) -> int:
     return 200
 
 
-def _error_response(status: int, exc: ProtocolError) -> Response:
+def _error_response(status: int, exc: TinkerlessError) -> Response:
     reply = ErrorReply(error=exc.message, category=exc.category, type=type(exc).__name__, hint=exc.hint)
     return Response(content=encode_message(reply), status_code=status, media_type=MSGPACK)
 
@@ -132,15 +156,21 @@ def serve(
     *,
     model: str,
     storage: str | None = None,
+    auth: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     log_level: str = "info",
     **worker_options: Any,
 ) -> None:
-    """Load `model` into a Worker and serve it until interrupted (binds to localhost unless told otherwise)."""
+    """Load `model` into a Worker and serve it until interrupted (binds to localhost unless told otherwise).
+
+    With `auth` (the default), calls need an API key issued into `storage` by `tinkerless keys create`.
+    """
     import uvicorn
 
     from tinkerless.functions.worker import Worker
+    from tinkerless.storage import ObjectStore
 
-    app = create_app(Worker(model, **worker_options), max_request_bytes=max_request_bytes)
-    app.state.storage = storage  # where server-side state will live; the worker itself keeps none yet
+    keys = KeyStore(ObjectStore(storage or ".")) if auth else None
+    app = create_app(Worker(model, **worker_options), max_request_bytes=max_request_bytes, keys=keys)
+    app.state.storage = storage
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,63 @@
+"""API keys: hashed at rest, required on every call, revocable; the CLI manages them."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from test_http import running
+from tinkerless.errors import UserError
+from tinkerless.sdk.backends import call
+from tinkerless.sdk.cli import main
+from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.server import create_app
+from tinkerless.server.keys import KEYS_FILE, KeyStore
+from tinkerless.storage import ObjectStore
+
+
+@pytest.fixture()
+def keys(tmp_path) -> KeyStore:
+    return KeyStore(ObjectStore(str(tmp_path)))
+
+
+def test_keys_are_stored_only_as_hashes(keys, tmp_path):
+    key = keys.create("alice")
+    assert key.startswith("tl-") and keys.tenant_for(key) == "alice"
+    stored = (tmp_path / KEYS_FILE).read_text()
+    assert key not in stored and key.split("-", 2)[2] not in stored
+    assert keys.tenant_for(key + "x") is None and keys.tenant_for(None) is None
+    with pytest.raises(UserError, match="invalid tenant"):
+        keys.create("../bob")
+
+
+def test_every_call_needs_a_valid_unrevoked_key(keys, worker):
+    alice, bob = keys.create("alice"), keys.create("bob")
+    with running(create_app(worker, keys=keys)) as url:
+        assert call(HTTPBackend(url, api_key=alice), "info", {})["model"]
+        for bad in (None, "tl-0000-nope"):
+            backend = HTTPBackend(url, api_key=bad)
+            with pytest.raises(UserError, match="missing or invalid API key") as error:
+                call(backend, "info", {})
+            assert "tinkerless keys create" in error.value.hint
+        raw = httpx.post(f"{url}/v1/call/info", content=b"", headers={"Content-Type": "application/msgpack"})
+        assert raw.status_code == 401
+        # Health answers a probe without a key, but reveals nothing about the model or its tenants.
+        assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
+        assert "policies" in httpx.get(f"{url}/healthz", headers={"Authorization": f"Bearer {bob}"}).json()
+        keys.revoke(next(r.key_id for r in keys.list() if r.tenant == "bob"))
+        with pytest.raises(UserError, match="invalid API key"):
+            call(HTTPBackend(url, api_key=bob), "info", {})
+        assert call(HTTPBackend(url, api_key=alice), "info", {})["model"]
+
+
+def test_keys_cli(tmp_path, capsys):
+    assert main(["keys", "create", "--tenant", "carol", "--storage", str(tmp_path)]) == 0
+    key = capsys.readouterr().out.strip()
+    assert KeyStore(ObjectStore(str(tmp_path))).tenant_for(key) == "carol"
+    assert main(["keys", "list", "--storage", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert "carol" in listing and "active" in listing and key not in listing
+    key_id = listing.split()[0]
+    assert main(["keys", "revoke", key_id, "--storage", str(tmp_path)]) == 0
+    assert KeyStore(ObjectStore(str(tmp_path))).tenant_for(key) is None
+    assert main(["keys", "revoke", "nope", "--storage", str(tmp_path)]) == 2

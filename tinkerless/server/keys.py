@@ -1,0 +1,81 @@
+"""API keys for `tinkerless serve`: issued once, stored only as sha256 hashes.
+
+A key looks like `tl-<key_id>-<secret>`; `key_id` names it in listings and
+revocations without revealing it. The key file lives in the server's storage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass
+
+from tinkerless.errors import StorageNotFound, UserError
+from tinkerless.storage import ObjectStore
+
+KEYS_FILE = "server/api_keys.json"
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+@dataclass
+class KeyRecord:
+    key_id: str
+    tenant: str
+    sha256: str
+    created_at: float
+    revoked: bool = False
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeyStore:
+    def __init__(self, store: ObjectStore):
+        self.store = store
+
+    def _load(self) -> list[KeyRecord]:
+        try:
+            return [KeyRecord(**r) for r in json.loads(self.store.get(KEYS_FILE))]
+        except StorageNotFound:
+            return []
+
+    def _save(self, records: list[KeyRecord]) -> None:
+        self.store.put(KEYS_FILE, json.dumps([asdict(r) for r in records], indent=1).encode())
+
+    def create(self, tenant: str) -> str:
+        """Issue a key for `tenant`; the plaintext is returned once and never stored."""
+        if not _TENANT.fullmatch(tenant or ""):
+            raise UserError(f"invalid tenant name {tenant!r}", hint="1-64 letters, digits, '_' or '-'")
+        key_id = secrets.token_hex(4)
+        key = f"tl-{key_id}-{secrets.token_urlsafe(24)}"
+        records = self._load()
+        records.append(KeyRecord(key_id, tenant, _digest(key), time.time()))
+        self._save(records)
+        return key
+
+    def list(self) -> list[KeyRecord]:
+        return self._load()
+
+    def revoke(self, key_id: str) -> None:
+        records = self._load()
+        matches = [r for r in records if r.key_id == key_id]
+        if not matches:
+            raise UserError(f"no API key with id {key_id!r}", hint="see `tinkerless keys list`")
+        for record in matches:
+            record.revoked = True
+        self._save(records)
+
+    def tenant_for(self, key: str | None) -> str | None:
+        """The tenant a valid, unrevoked key belongs to, else None."""
+        if not key:
+            return None
+        digest = _digest(key)
+        for record in self._load():
+            if hmac.compare_digest(record.sha256, digest) and not record.revoked:
+                return record.tenant
+        return None
