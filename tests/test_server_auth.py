@@ -61,3 +61,40 @@ def test_keys_cli(tmp_path, capsys):
     assert main(["keys", "revoke", key_id, "--storage", str(tmp_path)]) == 0
     assert KeyStore(ObjectStore(str(tmp_path))).tenant_for(key) is None
     assert main(["keys", "revoke", "nope", "--storage", str(tmp_path)]) == 2
+
+
+def test_tenants_cannot_name_or_read_each_others_policies(keys, tiny_model, tmp_path):
+    import numpy as np
+
+    import tinkerless
+    from tinkerless.functions.worker import Worker
+    from tinkerless.sdk.client import TrainingClient
+    from tinkerless.wire.messages import Datum
+
+    alice, bob = keys.create("alice"), keys.create("bob")
+    worker = Worker(tiny_model)
+    with running(create_app(worker, keys=keys)) as url:
+        a = TrainingClient(HTTPBackend(url, api_key=alice), "shared-name")
+        TrainingClient(HTTPBackend(url, api_key=bob), "shared-name")  # same name, a different adapter
+        assert len(worker.policies) == 2  # the worker holds two separate adapters
+        datum = Datum(tokens=np.arange(1, 9, dtype=np.int32), mask=np.ones(8, dtype=np.float32))
+        a.update([datum], "cross_entropy")
+        states = {k: v.version for k, v in worker.policies.items()}
+        assert sorted(states.values()) == [0, 1]  # only alice's adapter moved
+        # Each tenant lists only its own policies, under the name it chose.
+        assert call(HTTPBackend(url, api_key=alice), "info", {})["policies"] == {"shared-name": 1}
+        assert call(HTTPBackend(url, api_key=bob), "info", {})["policies"] == {"shared-name": 0}
+        # Naming alice's worker-side policy from bob's key lands inside bob's own scope: not found.
+        alice_internal = next(k for k, v in states.items() if v == 1)
+        with pytest.raises(UserError, match="does not exist"):
+            TrainingClient(HTTPBackend(url, api_key=bob), alice_internal, create=False).save_state()
+        saved = a.save_state()
+        assert saved.policy == "shared-name" and "adapter/adapter_model.safetensors" in saved.files
+        # A whole run through the service works with a key, and stays in its tenant's scope.
+        run = tinkerless.train(
+            model=tiny_model, reward=lambda c, t: float(len(c) % 2), tasks=[{"prompt": "hi"}], steps=1,
+            batch_size=1, group_size=2, max_tokens=4, storage=str(tmp_path / "runs"), progress=False,
+            backend=HTTPBackend(url, api_key=bob),
+        )
+        assert run.metrics[0]["episodes"] == 2
+        assert all(not p.endswith("default") for p in call(HTTPBackend(url, api_key=alice), "info", {})["policies"])

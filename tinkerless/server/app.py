@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tinkerless.errors import ProtocolError, TinkerlessError, UserError
 from tinkerless.server.keys import KeyStore
+from tinkerless.server.tenancy import scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import ErrorReply
 
@@ -65,16 +66,21 @@ def create_app(
     app.state.max_request_bytes = max_request_bytes
     lock: list[anyio.Lock] = []  # created on first use, inside the server's event loop
 
-    def authorized(request: Request) -> bool:
+    def tenant_of(request: Request) -> str | None:
+        """The caller's tenant; "" when the server runs without keys, None when the key is bad."""
         if keys is None:
-            return True
+            return ""
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
-        return keys.tenant_for(key) is not None
+        return keys.tenant_for(key)
+
+    def authorized(request: Request) -> bool:
+        return tenant_of(request) is not None
 
     @app.post("/v1/call/{method}")
     async def call(method: str, request: Request) -> Response:
-        if not authorized(request):
+        tenant = tenant_of(request)
+        if tenant is None:
             return _error_response(
                 401,
                 UserError(
@@ -96,18 +102,28 @@ def create_app(
             )
         except ProtocolError as exc:
             return _error_response(400, exc)
+        if tenant:  # multi-tenant: scope every policy name to the caller
+            try:
+                body = encode_message(scope(decode_message(body), tenant_prefix(tenant)))
+            except ProtocolError as exc:
+                return _error_response(400, exc)
         if not lock:
             lock.append(anyio.Lock())
         async with lock[0]:
             # Not cancellable once started: a dropped client must not leave the model mid-update.
             reply = await anyio.to_thread.run_sync(worker.handle, method, body)
+        if tenant:
+            reply = encode_message(unscope(decode_message(reply), tenant_prefix(tenant)))
         return Response(content=reply, status_code=_status_for(reply), media_type=MSGPACK)
 
     @app.get("/healthz")
     async def healthz(request: Request) -> JSONResponse:
-        if not authorized(request):
+        tenant = tenant_of(request)
+        if tenant is None:
             return JSONResponse({"status": "ok"})
         info = worker.info()
+        if tenant:  # a tenant sees only its own policies
+            info = unscope(info, tenant_prefix(tenant))
         return JSONResponse({"status": "ok", "model": info.get("model"), "policies": dict(info.get("policies", {}))})
 
     return app
