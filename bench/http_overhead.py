@@ -13,49 +13,21 @@ machine load. Step 0 is warm-up and not counted. Prints median seconds and HTTP/
 from __future__ import annotations
 
 import argparse
-import contextlib
-import socket
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
-import uvicorn
 
 from tinkerless.functions.losses import LossConfig
 from tinkerless.functions.worker import Worker
 from tinkerless.sdk.backends import LocalBackend, call
 from tinkerless.sdk.http_backend import HTTPBackend
 from tinkerless.server import create_app
+from tinkerless.server import serve_in_thread as running
 from tinkerless.wire.messages import AdamParams, CreatePolicyRequest, Datum, LoraConfig, UpdateRequest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running(app, timeout: float = 30.0) -> Iterator[str]:
-    """Serve `app` on a free 127.0.0.1 port in a thread; stop it on exit."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            server.should_exit = True
-            raise RuntimeError(f"uvicorn did not start on 127.0.0.1:{port}")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def batch(n: int, tokens: int, vocab: int) -> list[Datum]:

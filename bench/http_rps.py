@@ -21,13 +21,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from http_overhead import running  # noqa: E402  (same uvicorn-in-a-thread helper)
-
 from tinkerless.functions.models import build_tiny_model  # noqa: E402
 from tinkerless.functions.worker import Worker  # noqa: E402
 from tinkerless.sdk.backends import call  # noqa: E402
 from tinkerless.sdk.http_backend import HTTPBackend  # noqa: E402
 from tinkerless.server import create_app  # noqa: E402
+from tinkerless.server import serve_in_thread as running  # noqa: E402
 from tinkerless.wire.messages import CreatePolicyRequest, Datum, ForwardRequest  # noqa: E402
 
 

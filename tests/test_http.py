@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
@@ -11,7 +10,6 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 import tinkerless
 from tinkerless.coordinator import checkpoint_prefix
@@ -19,6 +17,7 @@ from tinkerless.errors import ProtocolError, RemoteError, UserError
 from tinkerless.sdk.backends import LocalBackend, call, raise_error_reply
 from tinkerless.sdk.http_backend import HTTPBackend
 from tinkerless.server import create_app
+from tinkerless.server import serve_in_thread as running
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.codec import PYTHON_VERSION, encode
@@ -27,30 +26,6 @@ from tinkerless.wire.messages import Datum, ErrorReply, ForwardRequest
 MSGPACK = {"Content-Type": "application/msgpack"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running(app, timeout: float = 20.0) -> Iterator[str]:
-    """Serve `app` on a free 127.0.0.1 port in a thread; stop it on exit."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            server.should_exit = True
-            raise RuntimeError(f"uvicorn did not start on 127.0.0.1:{port}")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +211,10 @@ def test_healthz_reports_model_and_policies(server_url, tiny_model):
 
 
 def test_unreachable_url_is_a_remote_error_with_a_hint():
-    backend = HTTPBackend(f"http://127.0.0.1:{free_port()}", timeout=5)
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    backend = HTTPBackend(f"http://127.0.0.1:{port}", timeout=5)
     with pytest.raises(RemoteError) as error:
         call(backend, "info", None)
     backend.close()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from test_http import running
 from tinkerless.errors import UserError
 from tinkerless.sdk.backends import call
 from tinkerless.sdk.cli import main
 from tinkerless.sdk.http_backend import HTTPBackend
 from tinkerless.server import create_app
+from tinkerless.server import serve_in_thread as running
 from tinkerless.server.keys import KEYS_FILE, KeyStore
 from tinkerless.storage import ObjectStore
 

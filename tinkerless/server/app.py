@@ -12,7 +12,11 @@ one at a time (in a worker thread, keeping the event loop free for health checks
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+import contextlib
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator, Protocol
 
 import anyio
 from fastapi import FastAPI, Request
@@ -190,3 +194,28 @@ def serve(
     app = create_app(Worker(model, **worker_options), max_request_bytes=max_request_bytes, keys=keys)
     app.state.storage = storage
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> Iterator[str]:
+    """Serve `app` from a background thread (tests, benchmarks, notebooks); yields its base URL and stops it on exit."""
+    import uvicorn
+
+    if port == 0:  # a free port, picked by the OS
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
