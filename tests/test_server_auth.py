@@ -98,3 +98,20 @@ def test_tenants_cannot_name_or_read_each_others_policies(keys, tiny_model, tmp_
         )
         assert run.metrics[0]["episodes"] == 2
         assert all(not p.endswith("default") for p in call(HTTPBackend(url, api_key=alice), "info", {})["policies"])
+
+
+def test_prometheus_metrics_report_requests_queue_and_cpu(keys, worker):
+    key = keys.create("ops")
+    with running(create_app(worker, keys=keys)) as url:
+        backend = HTTPBackend(url, api_key=key)
+        for _ in range(3):
+            call(backend, "info", {})
+        with pytest.raises(UserError):
+            call(backend, "forward", {"not": "a request"})
+        assert httpx.get(f"{url}/metrics").status_code == 401  # scrapes need a key too
+        text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}).text
+    assert 'tinkerless_requests_total{method="info",status="200"} 3' in text
+    assert 'tinkerless_requests_total{method="forward",status="' in text
+    assert "tinkerless_queue_depth 0" in text and "tinkerless_in_flight 0" in text
+    cpu = float(next(line for line in text.splitlines() if line.startswith("process_cpu_seconds_total")).split()[1])
+    assert cpu > 0

@@ -31,6 +31,7 @@ from tinkerless.wire.messages import (
     Episode,
     EpisodeLimits,
     ErrorReply,
+    ForwardRequest,
     LoraConfig,
     PolicyState,
     RolloutRequest,
@@ -500,12 +501,13 @@ def test_wrong_protocol_version_and_foreign_type_are_refused_by_the_worker(local
 def test_server_side_crash_comes_back_as_remote_error(local_backend):
     from tinkerless.sdk.backends import call
 
-    # A plain dict where a CreatePolicyRequest is expected: the worker fails with an AttributeError.
+    # A token id far outside the vocabulary crashes the embedding lookup inside the worker.
+    datum = Datum(tokens=np.array([1, 10**6], dtype=np.int32), mask=np.ones(2, dtype=np.float32))
     with pytest.raises(RemoteError) as info:
-        call(local_backend, "create_policy", {"policy": "x"})
+        call(local_backend, "forward", ForwardRequest("base", [datum]))
     error = info.value
-    assert error.remote_type == "AttributeError" and error.category == "server"
-    assert "local create_policy failed" in str(error)
+    assert error.category == "server" and error.remote_type
+    assert "local forward failed" in str(error)
     assert "Traceback" in error.remote_traceback
 
 
@@ -534,3 +536,16 @@ def test_lora_config_and_error_reply_round_trip():
     assert roundtrip(lora) == lora
     reply = ErrorReply(error="x", category="user", type="DatasetError", traceback="tb", hint=None)
     assert decode_message(encode_message(reply)) == reply
+
+
+def test_a_request_of_the_wrong_type_is_a_protocol_error(worker):
+    from tinkerless.sdk.backends import call as backend_call
+
+    class _Direct:
+        name = "direct"
+
+        def call_bytes(self, method, payload):
+            return worker.handle(method, payload)
+
+    with pytest.raises(ProtocolError, match="forward expects a ForwardRequest, got dict"):
+        backend_call(_Direct(), "forward", {"not": "a request"})

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tinkerless.errors import ConfigError, TinkerlessError, UserError
+from tinkerless.errors import ConfigError, ProtocolError, TinkerlessError, UserError
 from tinkerless.functions import training
 from tinkerless.functions.agent_loop import run_episodes
 from tinkerless.functions.chat import ChatFormat
@@ -137,6 +137,12 @@ class Worker:
             if method not in self.METHODS:
                 raise UserError(f"unknown function {method!r}", hint=f"one of {', '.join(self.METHODS)}")
             request = decode_message(payload)
+            expected = _REQUEST_TYPES.get(method)
+            if expected is not None and not isinstance(request, expected):
+                raise ProtocolError(
+                    f"{method} expects a {expected.__name__}, got {type(request).__name__}",
+                    hint="send the request type from tinkerless.wire.messages (client and server versions must match)",
+                )
             return encode_message(getattr(self, method)(request))
         except Exception as exc:  # every failure becomes a structured reply, never a dropped connection
             category = exc.category if isinstance(exc, TinkerlessError) else "server"
@@ -382,6 +388,20 @@ class Worker:
             torch.set_rng_state(rng["torch"])
         policy.version = state.policy_version
         return {"policy": state.policy, "policy_version": policy.version}
+
+
+_REQUEST_TYPES = {
+    "create_policy": CreatePolicyRequest,
+    "rollout": RolloutRequest,
+    "rollout_multi": MultiAgentRolloutRequest,
+    "sample": SampleRequest,
+    "forward": ForwardRequest,
+    "forward_backward": ForwardBackwardRequest,
+    "optim_step": OptimStepRequest,
+    "update": UpdateRequest,
+    "save_state": SaveStateRequest,
+    "load_state": LoadStateRequest,
+}
 
 
 def _target_modules(adapter_config: dict) -> str | list[str]:

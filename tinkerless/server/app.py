@@ -13,6 +13,7 @@ one at a time (in a worker thread, keeping the event loop free for health checks
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 import socket
 import threading
 import time
@@ -69,6 +70,8 @@ def create_app(
     app.state.worker = worker
     app.state.max_request_bytes = max_request_bytes
     lock: list[anyio.Lock] = []  # created on first use, inside the server's event loop
+    stats = ServerStats()
+    app.state.stats = stats
 
     def tenant_of(request: Request) -> str | None:
         """The caller's tenant; "" when the server runs without keys, None when the key is bad."""
@@ -113,12 +116,26 @@ def create_app(
                 return _error_response(400, exc)
         if not lock:
             lock.append(anyio.Lock())
+        stats.queued += 1
         async with lock[0]:
-            # Not cancellable once started: a dropped client must not leave the model mid-update.
-            reply = await anyio.to_thread.run_sync(worker.handle, method, body)
+            stats.queued -= 1
+            stats.in_flight += 1
+            try:
+                # Not cancellable once started: a dropped client must not leave the model mid-update.
+                reply = await anyio.to_thread.run_sync(worker.handle, method, body)
+            finally:
+                stats.in_flight -= 1
         if tenant:
             reply = encode_message(unscope(decode_message(reply), tenant_prefix(tenant)))
-        return Response(content=reply, status_code=_status_for(reply), media_type=MSGPACK)
+        status = _status_for(reply)
+        stats.count(method, status)
+        return Response(content=reply, status_code=status, media_type=MSGPACK)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        if tenant_of(request) is None:
+            return JSONResponse({"error": "missing or invalid API key", "category": "user"}, status_code=401)
+        return Response(content=stats.prometheus(), media_type="text/plain; version=0.0.4")
 
     @app.get("/healthz")
     async def healthz(request: Request) -> JSONResponse:
@@ -151,6 +168,61 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise _RequestTooLarge(received, limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+@dataclass
+class ServerStats:
+    """Counters for `/metrics` (Prometheus text format): queue depth, work in flight, requests, CPU."""
+
+    queued: int = 0
+    in_flight: int = 0
+    requests: dict[tuple[str, int], int] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+    def count(self, method: str, status: int) -> None:
+        self.requests[(method, status)] = self.requests.get((method, status), 0) + 1
+
+    def prometheus(self) -> str:
+        lines = [
+            "# HELP tinkerless_queue_depth Calls waiting for the model.",
+            "# TYPE tinkerless_queue_depth gauge",
+            f"tinkerless_queue_depth {self.queued}",
+            "# HELP tinkerless_in_flight Calls running on the model.",
+            "# TYPE tinkerless_in_flight gauge",
+            f"tinkerless_in_flight {self.in_flight}",
+            "# HELP tinkerless_requests_total Calls answered, by function and HTTP status.",
+            "# TYPE tinkerless_requests_total counter",
+        ]
+        lines += [
+            f'tinkerless_requests_total{{method="{m}",status="{s}"}} {n}' for (m, s), n in sorted(self.requests.items())
+        ]
+        # CPU utilization = rate of this counter over wall time (as process_cpu_seconds_total usually is).
+        lines += [
+            "# HELP process_cpu_seconds_total CPU time used by the server process.",
+            "# TYPE process_cpu_seconds_total counter",
+            f"process_cpu_seconds_total {time.process_time():.3f}",
+            "# HELP tinkerless_uptime_seconds Seconds since the server started.",
+            "# TYPE tinkerless_uptime_seconds gauge",
+            f"tinkerless_uptime_seconds {time.monotonic() - self.started:.3f}",
+        ]
+        lines += _gpu_lines()
+        return "\n".join(lines) + "\n"
+
+
+def _gpu_lines() -> list[str]:
+    import sys
+
+    torch = sys.modules.get("torch")  # only report what is already loaded; never import CUDA for a scrape
+    if torch is None or not torch.cuda.is_available():
+        return []
+    lines = ["# HELP tinkerless_gpu_memory_bytes GPU memory allocated by torch.", "# TYPE tinkerless_gpu_memory_bytes gauge"]
+    for index in range(torch.cuda.device_count()):
+        lines.append(f'tinkerless_gpu_memory_bytes{{device="{index}"}} {torch.cuda.memory_allocated(index)}')
+    try:
+        lines += [f'tinkerless_gpu_utilization_percent{{device="{i}"}} {torch.cuda.utilization(i)}' for i in range(torch.cuda.device_count())]
+    except Exception:  # needs pynvml; memory is still reported
+        pass
+    return lines
 
 
 def _status_for(reply: bytes) -> int:
