@@ -21,7 +21,7 @@ from tinkerless.errors import ConfigError, EnvError
 from tinkerless.functions.agent_loop import EpisodeState, _Run, _to_episode
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import Engine
-from tinkerless.wire.messages import Episode, EpisodeLimits, SamplingParams, Seat
+from tinkerless.wire.messages import BASE_POLICY, Episode, EpisodeLimits, SamplingParams, Seat
 
 
 @dataclass
@@ -100,7 +100,7 @@ def run_games(
             if seat.opponent is not None:
                 _scripted_turn(game, role, opponents[role], env_name)
             elif _prepare_context(game, role, chat, limits, env_name):
-                waiting.setdefault(seat.policy or "base", []).append((game, role))
+                waiting.setdefault(seat.policy or BASE_POLICY, []).append((game, role))
         if not waiting and all(g.done for g in games):
             break
         for policy, items in waiting.items():
@@ -199,7 +199,7 @@ def _episode(game: _Game, role: str, seat: Seat) -> Episode:
     run = game.runs[role]
     run.status, run.error, run.traceback = game.status, game.error, game.traceback
     run.turn_rewards = [game.rewards[role]] if game.status != "error" else []
-    run.info = {**game.info, "role": role, "policy": seat.policy or "base", "trainable": seat.trainable, "game": game.index}
+    run.info = {**game.info, "role": role, "policy": seat.policy or BASE_POLICY, "trainable": seat.trainable, "game": game.index}
     episode = _to_episode(run)
     episode.info["outcome"] = _outcome(game, role)
     return episode

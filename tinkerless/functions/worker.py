@@ -32,6 +32,7 @@ from tinkerless.functions.models import load_model, resolve_model
 from tinkerless.wire import decode_message, encode_message, unpack_code
 from tinkerless.wire.code import CodeBlob
 from tinkerless.wire.messages import (
+    BASE_POLICY,
     CreatePolicyRequest,
     ErrorReply,
     ForwardBackwardRequest,
@@ -57,7 +58,20 @@ from tinkerless.wire.messages import (
 # transformers 5 warns about its own internal call when peft wraps a model; it is not actionable.
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
-BASE_POLICY = "base"  # the base model with every adapter switched off
+
+
+_REQUEST_TYPES = {
+    "create_policy": CreatePolicyRequest,
+    "rollout": RolloutRequest,
+    "rollout_multi": MultiAgentRolloutRequest,
+    "sample": SampleRequest,
+    "forward": ForwardRequest,
+    "forward_backward": ForwardBackwardRequest,
+    "optim_step": OptimStepRequest,
+    "update": UpdateRequest,
+    "save_state": SaveStateRequest,
+    "load_state": LoadStateRequest,
+}
 
 
 @dataclass
@@ -69,19 +83,7 @@ class _Policy:
 
 
 class Worker:
-    METHODS = (
-        "info",
-        "create_policy",
-        "rollout",
-        "rollout_multi",
-        "sample",
-        "forward",
-        "forward_backward",
-        "optim_step",
-        "update",
-        "save_state",
-        "load_state",
-    )
+    METHODS = ("info", *_REQUEST_TYPES)
 
     def __init__(
         self,
@@ -388,20 +390,6 @@ class Worker:
             torch.set_rng_state(rng["torch"])
         policy.version = state.policy_version
         return {"policy": state.policy, "policy_version": policy.version}
-
-
-_REQUEST_TYPES = {
-    "create_policy": CreatePolicyRequest,
-    "rollout": RolloutRequest,
-    "rollout_multi": MultiAgentRolloutRequest,
-    "sample": SampleRequest,
-    "forward": ForwardRequest,
-    "forward_backward": ForwardBackwardRequest,
-    "optim_step": OptimStepRequest,
-    "update": UpdateRequest,
-    "save_state": SaveStateRequest,
-    "load_state": LoadStateRequest,
-}
 
 
 def _target_modules(adapter_config: dict) -> str | list[str]:

@@ -18,9 +18,8 @@ from typing import Any
 
 from tinkerless.functions.losses import LossConfig
 from tinkerless.sdk.backends import Backend, call
-
-BASE_POLICY = "base"  # the base model with no adapter, on every worker
 from tinkerless.wire.messages import (
+    BASE_POLICY,
     AdamParams,
     CreatePolicyRequest,
     Datum,

@@ -14,9 +14,10 @@ from tinkerless.sdk.backends import make_backend
 from tinkerless.sdk.client import TrainingClient
 from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.tasks import TaskSource
+from tinkerless.sdk.trainer import CLIENT_STATE_FILE
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.wire import pack_code
-from tinkerless.wire.messages import EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
+from tinkerless.wire.messages import BASE_POLICY, EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
 
 
 @dataclass
@@ -53,7 +54,8 @@ def load_policy_state(config: TrainConfig, *, run_id: str | None, step: int | No
     checkpoint = checkpoints.load(step) if step is not None else checkpoints.load_latest()
     if checkpoint is None:
         raise UserError(f"run {run_id!r} has no valid checkpoint in {config.storage}", hint="see `tinkerless runs`")
-    version = json.loads(checkpoint.files.pop("client.json", b"{}") or b"{}").get("policy_version", 0)
+    client_state = json.loads(checkpoint.files.pop(CLIENT_STATE_FILE, b"{}") or b"{}")
+    version = client_state.get("policy_versions", {}).get("default", 0)
     return PolicyState("default", checkpoint.files, version)
 
 
@@ -73,7 +75,7 @@ def evaluate(
         )
     state = load_policy_state(config, run_id=run_id, step=step, adapter=adapter)
     backend = make_backend(config.backend, config.model, engine=config.engine)
-    policy = "base"
+    policy = BASE_POLICY
     if state is not None:
         client = TrainingClient(backend, "default", create=False)
         client.load_state(state, include_optimizer=False)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from tinkerless.coordinator import Coordinator
 from tinkerless.sdk.agents import Frozen, frozen_adapters, seatings
 from tinkerless.wire import pack_code
-from tinkerless.wire.messages import Episode, MultiAgentRolloutRequest, Seat
+from tinkerless.wire.messages import BASE_POLICY, Episode, MultiAgentRolloutRequest, Seat
 
 
 def build_seats(agents: Any) -> list[dict[str, Seat]]:
@@ -27,7 +27,7 @@ def build_seats(agents: Any) -> list[dict[str, Seat]]:
             if isinstance(seat, str):
                 seats[role] = Seat(policy=seat)
             elif isinstance(seat, Frozen):
-                seats[role] = Seat(policy=frozen[seat.adapter] if seat.adapter else "base", trainable=False)
+                seats[role] = Seat(policy=frozen[seat.adapter] if seat.adapter else BASE_POLICY, trainable=False)
             else:
                 seats[role] = Seat(opponent=pack_code(seat, name=getattr(seat, "__qualname__", role)), trainable=False)
         out.append(seats)

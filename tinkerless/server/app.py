@@ -81,9 +81,6 @@ def create_app(
         key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
         return keys.tenant_for(key)
 
-    def authorized(request: Request) -> bool:
-        return tenant_of(request) is not None
-
     @app.post("/v1/call/{method}")
     async def call(method: str, request: Request) -> Response:
         tenant = tenant_of(request)

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 from typing import Any
 
-from tinkerless.functions.worker import BASE_POLICY
+from tinkerless.wire.messages import BASE_POLICY
 
 
 def tenant_prefix(tenant: str) -> str:

@@ -13,6 +13,8 @@ import numpy as np
 
 from tinkerless.wire.code import CodeBlob
 
+BASE_POLICY = "base"  # the base model with every adapter switched off, on every worker
+
 
 @dataclass
 class SamplingParams:
