@@ -22,7 +22,7 @@ def keys(tmp_path) -> KeyStore:
 
 def test_keys_are_stored_only_as_hashes(keys, tmp_path):
     key = keys.create("alice")
-    assert key.startswith("tl-") and keys.tenant_for(key) == "alice"
+    assert key.startswith("tml-") and keys.tenant_for(key) == "alice"
     stored = (tmp_path / KEYS_FILE).read_text()
     assert key not in stored and key.split("-", 2)[2] not in stored
     assert keys.tenant_for(key + "x") is None and keys.tenant_for(None) is None
@@ -34,7 +34,7 @@ def test_every_call_needs_a_valid_unrevoked_key(keys, worker):
     alice, bob = keys.create("alice"), keys.create("bob")
     with running(create_app(worker, keys=keys)) as url:
         assert call(HTTPBackend(url, api_key=alice), "info", {})["model"]
-        for bad in (None, "tl-0000-nope"):
+        for bad in (None, "tml-0000-nope"):
             backend = HTTPBackend(url, api_key=bad)
             with pytest.raises(UserError, match="missing or invalid API key") as error:
                 call(backend, "info", {})
@@ -115,3 +115,11 @@ def test_prometheus_metrics_report_requests_queue_and_cpu(keys, worker):
     assert "tinkerless_queue_depth 0" in text and "tinkerless_in_flight 0" in text
     cpu = float(next(line for line in text.splitlines() if line.startswith("process_cpu_seconds_total")).split()[1])
     assert cpu > 0
+
+
+def test_a_key_from_the_environment_is_accepted_without_touching_storage(tmp_path):
+    store = ObjectStore(str(tmp_path))
+    keys = KeyStore(store, extra_keys={"tml-env-secret": "default"})
+    assert keys.tenant_for("tml-env-secret") == "default"
+    assert keys.tenant_for("tml-env-other") is None
+    assert not store.exists("server/api_keys.json")  # nothing written: the env key lives only in memory

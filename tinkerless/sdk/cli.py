@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="smollm2")
     serve.add_argument("--storage", default=".", help="where API keys (and later runs) live")
     serve.add_argument("--no-auth", action="store_true", help="accept calls without an API key (trusted networks only)")
+    serve.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="also accept the API key held in environment variable NAME (tenant 'default'); never pass keys as arguments",
+    )
 
     keys = sub.add_parser("keys", help="manage API keys of a `tinkerless serve` storage")
     keys.add_argument("action", choices=("create", "list", "revoke"))
@@ -151,7 +157,16 @@ def _serve(args) -> int:
         from tinkerless.server import serve
     except ImportError as exc:
         raise ConfigError(f"`tinkerless serve` needs fastapi and uvicorn ({exc})", hint="pip install 'tinkerless[serve]'") from exc
-    serve(args.host, args.port, model=args.model, storage=args.storage, auth=not args.no_auth)
+    extra_keys = None
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env, "")
+        if not key:
+            raise ConfigError(
+                f"--api-key-env {args.api_key_env}: that environment variable is empty or unset",
+                hint=f"export {args.api_key_env}=<key> (e.g. from `tinkerless keys create`) before starting the server",
+            )
+        extra_keys = {key: "default"}
+    serve(args.host, args.port, model=args.model, storage=args.storage, auth=not args.no_auth, extra_keys=extra_keys)
     return 0
 
 

@@ -35,6 +35,9 @@ DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 _ERROR_TAG = f"{ErrorReply.__module__}:{ErrorReply.__qualname__}".encode()
 
 
+COMPUTE_SECONDS_HEADER = "X-Tinkerless-Compute-Seconds"
+
+
 class Handler(Protocol):
     """What the app needs from a worker (tinkerless.functions.worker.Worker fits)."""
 
@@ -117,16 +120,20 @@ def create_app(
         async with lock[0]:
             stats.queued -= 1
             stats.in_flight += 1
+            started = time.perf_counter()
             try:
                 # Not cancellable once started: a dropped client must not leave the model mid-update.
                 reply = await anyio.to_thread.run_sync(worker.handle, method, body)
             finally:
                 stats.in_flight -= 1
+            compute_seconds = time.perf_counter() - started
         if tenant:
             reply = encode_message(unscope(decode_message(reply), tenant_prefix(tenant)))
         status = _status_for(reply)
         stats.count(method, status)
-        return Response(content=reply, status_code=status, media_type=MSGPACK)
+        # The server's own timing of the function body: what pay-per-use accounting bills.
+        headers = {COMPUTE_SECONDS_HEADER: f"{compute_seconds:.6f}"}
+        return Response(content=reply, status_code=status, media_type=MSGPACK, headers=headers)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -246,6 +253,7 @@ def serve(
     model: str,
     storage: str | None = None,
     auth: bool = True,
+    extra_keys: dict[str, str] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     log_level: str = "info",
     **worker_options: Any,
@@ -259,7 +267,7 @@ def serve(
     from tinkerless.functions.worker import Worker
     from tinkerless.storage import ObjectStore
 
-    keys = KeyStore(ObjectStore(storage or ".")) if auth else None
+    keys = KeyStore(ObjectStore(storage or "."), extra_keys=extra_keys) if auth else None
     app = create_app(Worker(model, **worker_options), max_request_bytes=max_request_bytes, keys=keys)
     app.state.storage = storage
     uvicorn.run(app, host=host, port=port, log_level=log_level)

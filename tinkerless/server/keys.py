@@ -1,7 +1,12 @@
 """API keys for `tinkerless serve`: issued once, stored only as sha256 hashes.
 
-A key looks like `tl-<key_id>-<secret>`; `key_id` names it in listings and
-revocations without revealing it. The key file lives in the server's storage.
+A key looks like `tml-<key_id>-<secret>` (the `tml-` prefix is the one the official
+`tinker` SDK insists on, so the same key works for both APIs); `key_id` names it in
+listings and revocations without revealing it. The key file lives in the server's storage.
+
+A server can also accept one key handed to it through an environment variable
+(`tinkerless serve --api-key-env NAME`), which is how cloud launchers give a fresh
+server the key their client already holds without writing it anywhere.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ def _digest(key: str) -> str:
 
 
 class KeyStore:
-    def __init__(self, store: ObjectStore):
+    def __init__(self, store: ObjectStore, *, extra_keys: dict[str, str] | None = None):
+        """`extra_keys` maps plaintext keys (held only in memory, as hashes) to their tenants."""
         self.store = store
+        self._extra = {_digest(key): tenant for key, tenant in (extra_keys or {}).items()}
 
     def _load(self) -> list[KeyRecord]:
         try:
@@ -52,7 +59,7 @@ class KeyStore:
         if not _TENANT.fullmatch(tenant or ""):
             raise UserError(f"invalid tenant name {tenant!r}", hint="1-64 letters, digits, '_' or '-'")
         key_id = secrets.token_hex(4)
-        key = f"tl-{key_id}-{secrets.token_urlsafe(24)}"
+        key = f"tml-{key_id}-{secrets.token_urlsafe(24)}"
         records = self._load()
         records.append(KeyRecord(key_id, tenant, _digest(key), time.time()))
         self._save(records)
@@ -75,6 +82,9 @@ class KeyStore:
         if not key:
             return None
         digest = _digest(key)
+        for known, tenant in self._extra.items():
+            if hmac.compare_digest(known, digest):
+                return tenant
         for record in self._load():
             if hmac.compare_digest(record.sha256, digest) and not record.revoked:
                 return record.tenant
