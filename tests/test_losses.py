@@ -320,3 +320,17 @@ def test_shape_mismatch_raises():
         compute_loss(LossConfig(), logprobs, mask, advantages=adv[:, :2], sampler_logprobs=sampler)
     with pytest.raises(ConfigError, match=r"\[B, T\]"):
         compute_loss(LossConfig(name="cross_entropy"), logprobs.reshape(-1), mask.reshape(-1))
+
+
+def test_weighted_cross_entropy_is_a_weighted_sum():
+    # Tinker's cross_entropy: -sum(w * logp), weights any real number (negative ones push logp down).
+    # logp = -[1, 2, 3], -[4, 5, _]; w = [2, 0, -1], [1, 0.5, 9 (masked)]
+    # loss = 2*1 + 0 - 3 + 4 + 2.5 = 5.5 ; d loss / d logp = -w on masked-in tokens
+    logprobs = -torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    weights = torch.tensor([[2.0, 0.0, -1.0], [1.0, 0.5, 9.0]])
+    config = LossConfig(name="cross_entropy", normalization="constant", normalization_constant=1.0)
+    leaf = logprobs.detach().requires_grad_(True)
+    loss, _ = compute_loss(config, leaf, torch.tensor(MASK), advantages=weights)
+    loss.backward()
+    assert loss.item() == approx(5.5)
+    assert leaf.grad.tolist() == [[-2.0, 0.0, 1.0], [-1.0, -0.5, 0.0]]

@@ -60,6 +60,10 @@ class BarrierTimeout(TinkerlessError):
     """A barrier or turn did not complete within its timeout."""
 
 
+class ServerBusy(TinkerlessError):
+    """The server's queue is full; retry after a short wait (HTTP 429 with Retry-After)."""
+
+
 class StorageError(TinkerlessError):
     """Object storage failed."""
 

@@ -78,6 +78,7 @@ class TransformersEngine:
         for row, prompt in enumerate(prompts):  # left padding: generation continues from the right edge
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             attention[row, width - len(prompt) :] = 1
+        stop_ids = self.eos_token_ids if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
         kwargs: dict = {"do_sample": sampling.temperature > 0}
         if sampling.temperature > 0:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
@@ -85,7 +86,8 @@ class TransformersEngine:
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),
             max_new_tokens=sampling.max_tokens,
-            eos_token_id=self.eos_token_ids,
+            # No stop tokens: an id no token has, so only max_new_tokens ends generation.
+            eos_token_id=stop_ids or [-1],
             pad_token_id=self.pad_id,
             output_logits=True,
             return_dict_in_generate=True,
@@ -94,7 +96,7 @@ class TransformersEngine:
         new_tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()
         logprobs = torch.gather(logits, 2, new_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-        eos = set(self.eos_token_ids)
+        eos = set(stop_ids)
         generations = []
         for row in range(len(prompts)):
             tokens = new_tokens[row].tolist()

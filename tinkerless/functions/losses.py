@@ -8,7 +8,7 @@ train). Definitions follow /work/shared/reference/rl-frameworks-and-losses.md §
     importance_sampling   -r * A                                (Tinker)
     ppo                   -min(r * A, clip(r, 1-lo, 1+hi) * A)  (DAPO clip-higher)
     cispo                 -sg(clip(r, 1-lo, 1+hi)) * A * logprobs  (MiniMax-M1)
-    cross_entropy         -logprobs                              (SFT)
+    cross_entropy         -logprobs, or -A * logprobs with per-token weights A  (SFT; Tinker's weighted CE)
 
 Optional extras, per token, before normalization:
     TIS  policy term *= sg(min(exp(old_logprobs - sampler_logprobs), tis_cap))
@@ -173,7 +173,8 @@ def compute_loss(
     metrics: dict[str, float] = {"tokens": float(m.sum())}
 
     if config.name == "cross_entropy":
-        per_token = -lp
+        # Optional per-token weights ride in `advantages` (any real value, as in Tinker's cross_entropy).
+        per_token = -lp if advantages is None else -clean(advantages).detach() * lp
     else:
         adv = clean(advantages).detach()
         log_ratio = lp - clean(sampler_logprobs).detach()

@@ -78,6 +78,11 @@ class VLLMEngine:
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
             seed=seed,
             logprobs=0,  # the sampled token's log-prob
+            **(
+                {}
+                if sampling.stop_token_ids is None
+                else {"stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": True}
+            ),
         )
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts],

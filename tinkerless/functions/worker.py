@@ -202,6 +202,17 @@ class Worker:
         self.model.eval()  # no dropout anywhere: training and sampling see the same function
         return {"policy": name, "created": True}
 
+    def delete_policy(self, name: str) -> bool:
+        """Free a policy's adapter and optimizer (a server evicting sampler snapshots). False if absent."""
+        if name not in self.policies:
+            return False
+        if len(self.policies) == 1:
+            # peft cannot drop a model's last adapter; keep the slot, it is reused or freed with the worker.
+            return False
+        self.model.delete_adapter(name)
+        del self.policies[name]
+        return True
+
     def _policy(self, name: str) -> _Policy:
         if name not in self.policies:
             raise UserError(

@@ -2,29 +2,35 @@
 
     POST /v1/call/{method}   body: encoded request envelope (application/msgpack)
                              200: encoded reply; 400/500: encoded `ErrorReply` (user/server);
-                             413: encoded `ErrorReply` (ProtocolError) when the body is too large
+                             413: encoded `ErrorReply` (ProtocolError) when the body is too large;
+                             429 + Retry-After: the queue is full
     GET  /healthz            {"status": "ok", "model": ..., "policies": {name: version}}
+    GET  /metrics            Prometheus text: queue depth, calls in flight, requests, CPU/GPU
+    /api/v1/...              the Tinker API, for the official `tinker` SDK (see `tinker_api`)
 
 Error bodies are still msgpack envelopes so `tinkerless.sdk.backends.call` raises the
 same typed error over HTTP as in-process. One model lives in the process, so calls run
-one at a time (in a worker thread, keeping the event loop free for health checks).
+one at a time on the `Scheduler`'s thread: in each client's sequence order
+(`X-Tinkerless-Stream` / `X-Tinkerless-Seq` headers), tenants taking turns.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
 import socket
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Iterator, Protocol
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tinkerless.errors import ProtocolError, TinkerlessError, UserError
+from tinkerless.errors import ProtocolError, ServerBusy, TinkerlessError, UserError
 from tinkerless.server.keys import KeyStore
+from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import ErrorReply
@@ -36,6 +42,8 @@ _ERROR_TAG = f"{ErrorReply.__module__}:{ErrorReply.__qualname__}".encode()
 
 
 COMPUTE_SECONDS_HEADER = "X-Tinkerless-Compute-Seconds"
+STREAM_HEADER = "X-Tinkerless-Stream"  # one client's calls to this server ...
+SEQ_HEADER = "X-Tinkerless-Seq"  # ... run in this order (1, 2, 3, ...)
 
 
 class Handler(Protocol):
@@ -58,11 +66,16 @@ def create_app(
     *,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     keys: KeyStore | None = None,
+    storage: str | None = None,
+    max_pending: int = 1024,
+    tinker_api: bool = True,
 ) -> FastAPI:
     """A FastAPI app serving one worker (or the worker a zero-argument factory builds, built now).
 
     With `keys`, every call needs `Authorization: Bearer <key>`; `/healthz` then answers
     only `{"status": "ok"}` to callers without a key (enough for a readiness probe).
+    `storage` (an fsspec URL, default: a temporary directory) holds Tinker checkpoints,
+    tenant-prefixed. Past `max_pending` queued calls the server answers 429.
     """
     worker: Handler = (
         worker_factory_or_worker
@@ -72,8 +85,9 @@ def create_app(
     app = FastAPI(title="tinkerless", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     app.state.max_request_bytes = max_request_bytes
-    lock: list[anyio.Lock] = []  # created on first use, inside the server's event loop
-    stats = ServerStats()
+    scheduler = Scheduler(max_pending=max_pending)
+    app.state.scheduler = scheduler
+    stats = ServerStats(scheduler)
     app.state.stats = stats
 
     def tenant_of(request: Request) -> str | None:
@@ -114,19 +128,26 @@ def create_app(
                 body = encode_message(scope(decode_message(body), tenant_prefix(tenant)))
             except ProtocolError as exc:
                 return _error_response(400, exc)
-        if not lock:
-            lock.append(anyio.Lock())
-        stats.queued += 1
-        async with lock[0]:
-            stats.queued -= 1
-            stats.in_flight += 1
+        try:
+            stream, seq = _stream_of(request)
+        except ProtocolError as exc:
+            return _error_response(400, exc)
+
+        def run() -> tuple[bytes, float]:
             started = time.perf_counter()
-            try:
-                # Not cancellable once started: a dropped client must not leave the model mid-update.
-                reply = await anyio.to_thread.run_sync(worker.handle, method, body)
-            finally:
-                stats.in_flight -= 1
-            compute_seconds = time.perf_counter() - started
+            return worker.handle(method, body), time.perf_counter() - started
+
+        try:
+            future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq)
+        except QueueFull as full:
+            stats.count(method, 429)
+            return _error_response(
+                429,
+                ServerBusy(str(full), hint=f"retry after {full.retry_after:.0f}s; HTTPBackend does this by itself"),
+                headers={"Retry-After": str(int(round(full.retry_after)))},
+            )
+        # Shielded: a dropped client must not cancel a call that may be mid-update on the model.
+        reply, compute_seconds = await asyncio.shield(asyncio.wrap_future(future))
         if tenant:
             reply = encode_message(unscope(decode_message(reply), tenant_prefix(tenant)))
         status = _status_for(reply)
@@ -134,6 +155,16 @@ def create_app(
         # The server's own timing of the function body: what pay-per-use accounting bills.
         headers = {COMPUTE_SECONDS_HEADER: f"{compute_seconds:.6f}"}
         return Response(content=reply, status_code=status, media_type=MSGPACK, headers=headers)
+
+    if tinker_api and hasattr(worker, "model_name"):  # a real Worker (test doubles speak only /v1/call)
+        from tinkerless.functions.models import resolve_model
+        from tinkerless.server import tinker_api as tinker
+        from tinkerless.storage import ObjectStore
+
+        store = ObjectStore(storage or tempfile.mkdtemp(prefix="tinkerless-serve-"))
+        aliases = {resolve_model(worker.model_name)}
+        app.state.tinker = tinker.mount(app, worker, scheduler, store, tenant_of,
+                                        max_request_bytes=max_request_bytes, aliases=aliases)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -178,8 +209,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 class ServerStats:
     """Counters for `/metrics` (Prometheus text format): queue depth, work in flight, requests, CPU."""
 
-    queued: int = 0
-    in_flight: int = 0
+    scheduler: Scheduler
     requests: dict[tuple[str, int], int] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
 
@@ -190,10 +220,10 @@ class ServerStats:
         lines = [
             "# HELP tinkerless_queue_depth Calls waiting for the model.",
             "# TYPE tinkerless_queue_depth gauge",
-            f"tinkerless_queue_depth {self.queued}",
+            f"tinkerless_queue_depth {self.scheduler.pending}",
             "# HELP tinkerless_in_flight Calls running on the model.",
             "# TYPE tinkerless_in_flight gauge",
-            f"tinkerless_in_flight {self.in_flight}",
+            f"tinkerless_in_flight {self.scheduler.in_flight}",
             "# HELP tinkerless_requests_total Calls answered, by function and HTTP status.",
             "# TYPE tinkerless_requests_total counter",
         ]
@@ -241,9 +271,20 @@ def _status_for(reply: bytes) -> int:
     return 200
 
 
-def _error_response(status: int, exc: TinkerlessError) -> Response:
+def _error_response(status: int, exc: TinkerlessError, headers: dict[str, str] | None = None) -> Response:
     reply = ErrorReply(error=exc.message, category=exc.category, type=type(exc).__name__, hint=exc.hint)
-    return Response(content=encode_message(reply), status_code=status, media_type=MSGPACK)
+    return Response(content=encode_message(reply), status_code=status, media_type=MSGPACK, headers=headers)
+
+
+def _stream_of(request: Request) -> tuple[str | None, int | None]:
+    """The client's call stream and sequence number, when it sends them (HTTPBackend does)."""
+    stream = request.headers.get(STREAM_HEADER)
+    seq = request.headers.get(SEQ_HEADER)
+    if stream is None or seq is None:
+        return None, None
+    if not seq.isdigit() or len(stream) > 128:
+        raise ProtocolError(f"invalid {SEQ_HEADER} {seq!r} or {STREAM_HEADER}", hint="sequence numbers are integers from 1")
+    return stream, int(seq)
 
 
 def serve(
@@ -268,7 +309,7 @@ def serve(
     from tinkerless.storage import ObjectStore
 
     keys = KeyStore(ObjectStore(storage or "."), extra_keys=extra_keys) if auth else None
-    app = create_app(Worker(model, **worker_options), max_request_bytes=max_request_bytes, keys=keys)
+    app = create_app(Worker(model, **worker_options), max_request_bytes=max_request_bytes, keys=keys, storage=storage or ".")
     app.state.storage = storage
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 

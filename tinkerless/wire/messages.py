@@ -22,6 +22,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    stop_token_ids: list[int] | None = None  # None = the model's end-of-turn tokens; [] = never stop early
 
 
 @dataclass

@@ -1,0 +1,169 @@
+"""Tinker wire formats <-> tinkerless worker types.
+
+Protobuf bodies are parsed and built with the message classes shipped inside the
+official `tinker` SDK (`tinker.proto.tinker_public_pb2`), so the server speaks
+exactly what the installed SDK speaks.
+
+Alignment: a Tinker datum has `model_input` x[0..N-1] and per-position inputs
+(target_tokens t, weights / advantages / logprobs) of length N, where position i
+predicts t[i] from x[0..i]. A tinkerless `Datum` holds one token sequence whose
+entry j is predicted from the entries before it. With the usual shift
+(t[i] == x[i+1]) the sequence is x + [t[N-1]] and Tinker position i is entry i+1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tinkerless.errors import UserError
+from tinkerless.functions.losses import LossConfig
+from tinkerless.wire.messages import Datum
+
+# Tinker losses are sums over tokens; thresholds are absolute ratio bounds.
+_DEFAULT_THRESHOLDS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
+
+
+def pb():
+    from tinker.proto import tinker_public_pb2  # the SDK's own generated classes
+
+    return tinker_public_pb2
+
+
+def _tensor(msg, name: str) -> np.ndarray:
+    p = pb()
+    if msg.HasField("sparse_csr"):
+        raise UserError(f"loss_fn_inputs[{name!r}] is a sparse tensor", hint="tinkerless accepts dense 1-D inputs")
+    dtypes = {p.DTYPE_FLOAT32: np.float32, p.DTYPE_INT64: np.int64, p.DTYPE_INT32: np.int32}
+    if msg.dtype not in dtypes:
+        raise UserError(f"loss_fn_inputs[{name!r}] has unsupported dtype {msg.dtype}", hint="send float32 or int64")
+    array = np.frombuffer(msg.dense, dtype=dtypes[msg.dtype])
+    if len(msg.shape) > 1:
+        raise UserError(
+            f"loss_fn_inputs[{name!r}] has shape {list(msg.shape)}; only 1-D (one value per position) is supported",
+            hint="multi-target (N, K) inputs are not supported by this server",
+        )
+    return array
+
+
+def parse_forward_backward(body: bytes):
+    """The protobuf request body -> (model_id, seq_id, loss_fn, config dict, forward_only, datums)."""
+    request = pb().ForwardBackwardRequest()
+    try:
+        request.ParseFromString(body)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises its own DecodeError
+        raise UserError(f"forward_backward body is not a valid protobuf ForwardBackwardRequest ({exc})") from exc
+    config: dict[str, float | str] = dict(request.loss_fn_config)
+    for key, value in request.loss_fn_config_v2.items():
+        config[key] = value.text if value.WhichOneof("value") == "text" else value.number
+    datums = []
+    for i, datum in enumerate(request.data):
+        tokens: list[np.ndarray] = []
+        for chunk in datum.model_input:
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise UserError(f"datum {i}: {kind} chunks are not supported", hint="send token chunks only")
+            tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+        inputs = {name: _tensor(t, name) for name, t in datum.loss_fn_inputs.items()}
+        datums.append((np.concatenate(tokens) if tokens else np.zeros(0, np.int32), inputs))
+    return request.model_id, request.seq_id, request.loss_fn, config, request.forward_only, datums
+
+
+def loss_config(loss_fn: str, config: dict) -> LossConfig:
+    if loss_fn not in SUPPORTED_LOSSES:
+        raise UserError(
+            f"unknown or unsupported loss_fn {loss_fn!r}",
+            hint=f"this server supports {', '.join(SUPPORTED_LOSSES)}",
+        )
+    low, high = _DEFAULT_THRESHOLDS.get(loss_fn, (0.8, 1.2))
+    low = float(config.get("clip_low_threshold", low))
+    high = float(config.get("clip_high_threshold", high))
+    unknown = set(config) - {"clip_low_threshold", "clip_high_threshold"}
+    if unknown:
+        raise UserError(f"loss_fn_config keys {sorted(unknown)} are not supported for {loss_fn}")
+    if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low <= 1.0 <= high):
+        raise UserError(f"clip thresholds must satisfy 0 <= low <= 1 <= high, got {low}, {high}")
+    # Sums over tokens, as Tinker defines its losses.
+    return LossConfig(
+        name=loss_fn, clip_low=1.0 - low, clip_high=high - 1.0, normalization="constant", normalization_constant=1.0
+    )
+
+
+def to_datum(index: int, tokens: np.ndarray, inputs: dict[str, np.ndarray], loss_fn: str) -> Datum:
+    """One Tinker datum as a tinkerless `Datum` (see the module docstring for the alignment)."""
+    n = len(tokens)
+    if n == 0:
+        raise UserError(f"datum {index} has an empty model_input")
+    if "target_tokens" not in inputs:
+        raise UserError(f"datum {index} has no target_tokens", hint="every datum needs loss_fn_inputs['target_tokens']")
+    targets = inputs["target_tokens"].astype(np.int64)
+    for name, values in inputs.items():
+        if len(values) != n:
+            raise UserError(
+                f"datum {index}: loss_fn_inputs[{name!r}] has {len(values)} values for {n} model_input tokens",
+                hint="per-position inputs are aligned with model_input (inputs = seq[:-1], targets = seq[1:])",
+            )
+    if n > 1 and not np.array_equal(targets[:-1], tokens[1:].astype(np.int64)):
+        raise UserError(
+            f"datum {index}: target_tokens are not model_input shifted by one",
+            hint="send model_input = seq[:-1] and target_tokens = seq[1:]",
+        )
+    sequence = np.concatenate([tokens, targets[-1:].astype(np.int32)])
+
+    def shifted(values: np.ndarray | None) -> np.ndarray | None:
+        if values is None:
+            return None
+        return np.concatenate([np.zeros(1, np.float32), values.astype(np.float32)])
+
+    # Every target position is scored (the caller gets logprobs for all of them); the
+    # weights or advantages decide what trains, as in Tinker, so zeros contribute nothing.
+    mask = np.concatenate([np.zeros(1, np.float32), np.ones(n, np.float32)])
+    if loss_fn == "cross_entropy":
+        weights = inputs.get("weights")
+        return Datum(sequence, mask, advantages=shifted(weights if weights is not None else np.ones(n, np.float32)))
+    missing = [k for k in ("advantages", "logprobs") if k not in inputs]
+    if missing:
+        raise UserError(f"datum {index}: {loss_fn} needs loss_fn_inputs {missing}")
+    return Datum(sequence, mask, advantages=shifted(inputs["advantages"]), sampler_logprobs=shifted(inputs["logprobs"]))
+
+
+def forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float]) -> bytes:
+    """A protobuf ForwardBackwardOutput: per-datum target logprobs plus `name:reduction` metrics."""
+    p = pb()
+    out = p.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    arrays = [np.asarray(lp, dtype=np.float32) for lp in logprobs]
+    record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(arrays))
+    field = record.fields["logprobs"]
+    field.data = b"".join(a.tobytes() for a in arrays)
+    field.offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64).tobytes()
+    field.dtype = p.DTYPE_FLOAT32
+    for key, value in metrics.items():
+        out.metrics[key] = float(value)
+    return out.SerializeToString()
+
+
+def sample_response(sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: np.ndarray | None) -> bytes:
+    p = pb()
+    out = p.SampleResponse(prompt_cache_hit_tokens=0)
+    reasons = {"stop": p.STOP_REASON_STOP, "length": p.STOP_REASON_LENGTH}
+    for tokens, logprobs, reason in sequences:
+        out.sequences.add(
+            stop_reason=reasons[reason],
+            tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(logprobs, dtype=np.float32).tobytes(),
+        )
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    return out.SerializeToString()
+
+
+def model_input_tokens(model_input: dict) -> list[int]:
+    """Tokens of a JSON ModelInput ({"chunks": [{"type": "encoded_text", "tokens": [...]}, ...]})."""
+    tokens: list[int] = []
+    for chunk in (model_input or {}).get("chunks", []):
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise UserError(f"{chunk.get('type')} prompt chunks are not supported", hint="send token chunks only")
+        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    return tokens

@@ -1,0 +1,178 @@
+"""FastAPI routes of the Tinker API (`/api/v1/...`), as the official `tinker` SDK 0.38 calls them.
+
+Auth is the SDK's `X-API-Key` header, checked against the server's key store
+(keys start with `tml-`, which the SDK insists on). Submissions answer with a
+future (`{request_id, ...}`); `retrieve_future` long-polls up to `POLL_SECONDS`
+and then answers 408, which the SDK re-polls quietly. Results the SDK expects as
+protobuf (forward_backward, sample) go out as `application/x-protobuf`; failures
+go out as `{error, category}`, which the SDK raises as `RequestFailedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from tinkerless.errors import TinkerlessError
+from tinkerless.server.scheduler import QueueFull
+from tinkerless.server.tinker_api.service import Proto, TinkerService
+
+logger = logging.getLogger(__name__)
+POLL_SECONDS = 25.0  # under the SDK's 45 s poll timeout
+PROTOBUF = "application/x-protobuf"
+
+
+class NotFound(Exception):
+    """A run, sampler or checkpoint that does not exist for this tenant (404; never says whose it is)."""
+
+
+def _error(status: int, message: str, category: str = "user", hint: str | None = None) -> JSONResponse:
+    text = f"{message} ({hint})" if hint else message
+    return JSONResponse({"error": text, "category": category}, status_code=status)
+
+
+def _failure(exc: BaseException) -> dict:
+    if isinstance(exc, TinkerlessError):
+        text = f"{exc.message} ({exc.hint})" if getattr(exc, "hint", None) else exc.message
+        return {"error": text, "category": exc.category}
+    logger.exception("tinker request failed", exc_info=exc)
+    return {"error": f"{type(exc).__name__}: {exc}", "category": "server"}
+
+
+def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats=None) -> APIRouter:
+    """`tenant_of(request)` gives the caller's tenant ("" without auth) or None for a bad key."""
+    router = APIRouter(prefix="/api/v1")
+
+    async def call(request: Request, handler, *, raw: bool = False) -> Response:
+        tenant = tenant_of(request)
+        if tenant is None:
+            return _error(401, "missing or invalid API key",
+                          hint="set TINKER_API_KEY to a key from `tinkerless keys create --tenant NAME`")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_request_bytes:
+            return _error(413, f"request body of {declared} bytes is over this server's limit of {max_request_bytes}",
+                          hint="send smaller batches, or start the server with a larger --max-request-bytes")
+        body = await request.body()
+        if len(body) > max_request_bytes:
+            return _error(413, f"request body of {len(body)} bytes is over this server's limit of {max_request_bytes}")
+        try:
+            payload: Any = body if raw else (await request.json() if body else {})
+            result = handler(tenant, payload)
+        except NotFound as missing:
+            return _error(404, f"not found: {missing}")
+        except QueueFull as full:
+            return JSONResponse({"error": str(full), "category": "server"}, status_code=429,
+                                headers={"Retry-After": str(int(round(full.retry_after)))})
+        except (KeyError, TypeError, ValueError) as exc:
+            return _error(400, f"malformed request: {type(exc).__name__}: {exc}")
+        except TinkerlessError as exc:
+            return _error(400 if exc.category == "user" else 500, exc.message, exc.category, getattr(exc, "hint", None))
+        return JSONResponse(result)
+
+    def route(path: str, handler, *, raw: bool = False, method: str = "post"):
+        async def endpoint(request: Request) -> Response:
+            return await call(request, handler, raw=raw)
+
+        getattr(router, method)(path)(endpoint)
+
+    # -- client and session --------------------------------------------------------
+    route("/client/config", lambda t, b: {"pjwt_auth_enabled": False, "use_pyqwest_transport": False,
+                                          "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False})
+    route("/client/dynamic_config", lambda t, b: {"refresh_interval_sec": 300, "sample_cancel_enabled": False})
+    route("/create_session", service.create_session)
+    route("/session_heartbeat", lambda t, b: (service.session(t, b["session_id"]), {"type": "session_heartbeat"})[1])
+    route("/telemetry", lambda t, b: {"status": "accepted"})
+
+    @router.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request) -> Response:
+        return await call(request, lambda t, b: (service.session(t, session_id).update(alive=False), {})[1])
+
+    @router.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @router.get("/get_server_capabilities")
+    async def capabilities(request: Request) -> Response:
+        return await call(request, lambda t, b: {"supported_models": [
+            {"model_name": service.base_model, "trainable": True, "sampleable": True}]})
+
+    # -- training -----------------------------------------------------------------------
+    route("/create_model", service.create_model)
+    route("/get_info", service.get_info)
+    route("/forward_backward", service.forward_backward, raw=True)
+    route("/optim_step", service.optim_step)
+    route("/save_weights", service.save_weights)
+    route("/save_weights_for_sampler", service.save_weights_for_sampler)
+    route("/load_weights", service.load_weights)
+
+    # -- sampling --------------------------------------------------------------------------
+    route("/create_sampling_session", service.create_sampling_session)
+    route("/asample", service.sample)
+
+    @router.get("/samplers/{sampler_id}")
+    async def sampler(sampler_id: str, request: Request) -> Response:
+        return await call(request, lambda t, b: _found(lambda: service.get_sampler(t, sampler_id)))
+
+    # -- futures -----------------------------------------------------------------------------
+    @router.post("/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        tenant = tenant_of(request)
+        if tenant is None:
+            return _error(401, "missing or invalid API key")
+        body = await request.json()
+        try:
+            future = service.future(tenant, body["request_id"])
+        except KeyError:
+            return _error(404, f"unknown request id {body.get('request_id')!r}")
+        try:
+            result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), POLL_SECONDS)
+        except asyncio.TimeoutError:
+            return JSONResponse({"type": "try_again", "request_id": body["request_id"], "queue_state": "active"},
+                                status_code=408)
+        except Exception as exc:  # noqa: BLE001 - the call failed: the SDK gets a typed failure
+            return JSONResponse(_failure(exc))
+        if isinstance(result, Proto):
+            return Response(result.data, media_type=PROTOBUF)
+        return JSONResponse(result)
+
+    # -- training runs and checkpoints -----------------------------------------------------------
+    @router.get("/training_runs")
+    async def training_runs(request: Request) -> Response:
+        def listing(t, b):
+            runs = service.training_runs(t)
+            limit = int(request.query_params.get("limit", 20))
+            offset = int(request.query_params.get("offset", 0))
+            return {"training_runs": runs[offset: offset + limit],
+                    "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
+
+        return await call(request, listing)
+
+    @router.get("/training_runs/{run_id}")
+    async def training_run(run_id: str, request: Request) -> Response:
+        return await call(request, lambda t, b: _found(lambda: service.training_run(t, run_id)))
+
+    @router.get("/training_runs/{run_id}/checkpoints")
+    async def checkpoints(run_id: str, request: Request) -> Response:
+        return await call(request, lambda t, b: {"checkpoints": _found(lambda: service.checkpoints(t, run_id))})
+
+    @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
+        def delete(t, b):
+            if not service.delete_checkpoint(t, run_id, kind, name):
+                raise NotFound(f"tinker://{run_id}/{kind}/{name}")
+            return {}
+
+        return await call(request, delete)
+
+    return router
+
+
+def _found(fn):
+    try:
+        return fn()
+    except KeyError as exc:
+        raise NotFound(exc.args[0]) from None
