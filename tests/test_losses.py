@@ -289,7 +289,7 @@ def test_bf16_logprobs_compute_in_fp32_and_get_grad():
         (LossConfig(normalization="batch"), "normalization"),
         (LossConfig(normalization="constant"), "normalization_constant"),
         (LossConfig(normalization="constant", normalization_constant=0.0), "normalization_constant"),
-        (LossConfig(clip_low=1.0), "clip_low"),
+        (LossConfig(clip_low=1.5), "clip_low"),
         (LossConfig(clip_high=-0.1), "clip_high"),
         (LossConfig(tis_cap=0.0), "tis_cap"),
         (LossConfig(kl_coef=-1.0), "kl_coef"),

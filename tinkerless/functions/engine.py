@@ -8,6 +8,8 @@ token ids in and give token ids out with the sampler's per-token log-probs
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -79,19 +81,22 @@ class TransformersEngine:
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             attention[row, width - len(prompt) :] = 1
         stop_ids = self.eos_token_ids if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
-        kwargs: dict = {"do_sample": sampling.temperature > 0}
-        if sampling.temperature > 0:
-            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
-        out = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention.to(self.device),
+        # One complete generation config (the model's, overridden): transformers warns when a config
+        # and loose arguments are mixed, and "no stop tokens" needs eos_token_id=None in the config itself.
+        config = copy.deepcopy(self.model.generation_config)
+        settings: dict = dict(
             max_new_tokens=sampling.max_tokens,
-            # No stop tokens: an id no token has, so only max_new_tokens ends generation.
-            eos_token_id=stop_ids or [-1],
+            eos_token_id=stop_ids or None,  # None: only max_new_tokens ends generation
             pad_token_id=self.pad_id,
+            do_sample=sampling.temperature > 0,
             output_logits=True,
             return_dict_in_generate=True,
-            **kwargs,
+        )
+        if sampling.temperature > 0:
+            settings.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        config.update(**settings)
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=config
         )
         new_tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()

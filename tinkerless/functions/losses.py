@@ -51,10 +51,10 @@ class LossConfig:
                 f"LossConfig.normalization={self.normalization!r} is not supported",
                 hint=f"use one of {NORMALIZATIONS}",
             )
-        if not (_finite(self.clip_low) and 0.0 <= self.clip_low < 1.0):
+        if not (_finite(self.clip_low) and 0.0 <= self.clip_low <= 1.0):
             raise ConfigError(
                 f"LossConfig.clip_low={self.clip_low!r} is out of range",
-                hint="use a value in [0, 1); the lower ratio bound is 1 - clip_low",
+                hint="use a value in [0, 1]; the lower ratio bound is 1 - clip_low (1 = no lower clip, as in CISPO)",
             )
         if not (_finite(self.clip_high) and self.clip_high >= 0.0):
             raise ConfigError(

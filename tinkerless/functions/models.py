@@ -110,11 +110,16 @@ def load_model(spec: str, *, dtype: torch.dtype | None = None, device: str = "cp
     return model, tokenizer
 
 
-def build_tiny_model(path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> str:
+def build_tiny_model(
+    path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, initializer_range: float = 0.02
+) -> str:
     """Save a tiny random Qwen2 causal LM with a byte-level ChatML tokenizer at `path`.
 
     Built fully offline, deterministic for a given seed, and idempotent: an
-    existing directory with a config.json is returned untouched.
+    existing directory with a config.json is returned untouched. With the default
+    init the logits of so small a model stay within about +-1.3, which caps how far
+    training can move it; a larger `initializer_range` (e.g. 0.2) gives a tiny model
+    that visibly learns.
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -135,6 +140,7 @@ def build_tiny_model(path: str | Path, *, hidden_size: int = 64, num_layers: int
         num_key_value_heads=2,
         tie_word_embeddings=True,
         max_position_embeddings=2048,
+        initializer_range=initializer_range,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )

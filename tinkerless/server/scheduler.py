@@ -138,23 +138,29 @@ class Scheduler:
         queue.append(job)
 
     def _release(self, state: _Stream) -> None:
-        """Move the stream's next job (if it has arrived) to the ready queue."""
-        job = state.waiting.pop(state.next_seq, None)
-        if job is not None:
+        """Move the stream's consecutive arrived jobs to the ready queue.
+
+        The tenant's ready queue is first-in first-out and one thread runs jobs, so
+        releasing seq n+1 right behind seq n still runs them in order.
+        """
+        while state.next_seq in state.waiting:
+            self._make_ready(state.waiting.pop(state.next_seq))
+            state.next_seq += 1
+        if not state.waiting:
             state.stalled_since = None
-            self._make_ready(job)
-        elif state.waiting and state.stalled_since is None:
+        elif state.stalled_since is None:
             state.stalled_since = time.monotonic()
 
     def _skip_stalled_gaps(self) -> None:
         now = time.monotonic()
         for (tenant, stream), state in self._streams.items():
             if state.waiting and state.stalled_since is not None and now - state.stalled_since > self.gap_timeout:
-                missing = state.next_seq
+                missing, waited = state.next_seq, now - state.stalled_since
                 state.next_seq = min(state.waiting)
+                state.stalled_since = None
                 logger.warning(
                     "stream %s of tenant %r waited %.0fs for call #%d, which never arrived; continuing at #%d",
-                    stream, tenant, now - state.stalled_since, missing, state.next_seq,
+                    stream, tenant, waited, missing, state.next_seq,
                 )
                 self._release(state)
 
@@ -196,9 +202,4 @@ class Scheduler:
                     self._avg_seconds = 0.9 * self._avg_seconds + 0.1 * (time.perf_counter() - started)
                     self.in_flight -= 1
                     self.completed += 1
-                    if job.stream is not None and job.seq is not None:
-                        state = self._streams.get((job.tenant, job.stream))
-                        if state is not None:
-                            state.next_seq = job.seq + 1
-                            self._release(state)
                     self._cond.notify_all()
