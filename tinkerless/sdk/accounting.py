@@ -2,27 +2,65 @@
 
 Every backend owns a `UsageMeter` (`backend.usage`) and records, for each call, the
 seconds the function body ran on its device (in-process for local, the server's own
-timing for HTTP, the container's timing for Modal).
+timing for HTTP, the container's timing for Modal). A run's `RunUsage` attributes
+those seconds to the trainer's phases and prices them with a `PriceTable`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import re
 import threading
+import warnings
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
+
+from tinkerless.errors import ConfigError
+
+# The server's timing of the function body, sent on every /v1/call reply (server and client share it).
+COMPUTE_SECONDS_HEADER = "X-Tinkerless-Compute-Seconds"
+
+# Modal list prices, mid-2026 (https://modal.com/pricing), in $ per GPU-hour. "cpu" is the local
+# backend's device: your own machine, free by default.
+DEFAULT_PRICES_PER_HOUR: dict[str, float] = {
+    "B200": 6.25,
+    "H200": 4.54,
+    "H100": 3.95,
+    "A100-80GB": 2.50,
+    "A100": 2.10,  # the 40 GB card; the 80 GB one matches the more specific key above
+    "L40S": 1.95,
+    "A10G": 1.10,
+    "L4": 0.80,
+    "T4": 0.59,
+    "cpu": 0.0,
+}
+
+PHASES = ("setup", "rollout", "forward", "update", "storage")
+_PRICE_HINT = "set TrainConfig(prices={'<device>': dollars_per_hour}) or TrainConfig(price_per_hour=...)"
 
 
 class UsageMeter:
-    """Thread-safe running totals of compute seconds and call counts per function."""
+    """Thread-safe running totals of compute seconds and call counts per function.
 
-    def __init__(self) -> None:
+    `device` names what the seconds ran on (a backend that knows it sets it); `source` says
+    who measured them. Seconds a backend could only time from the client (no device-side
+    timing came back) are recorded with `client_timed=True` and counted apart.
+    """
+
+    def __init__(self, *, source: str = "worker", device: str | None = None) -> None:
+        self.source = source
+        self.device = device
         self._lock = threading.Lock()
         self._seconds: dict[str, float] = defaultdict(float)
         self._calls: dict[str, int] = defaultdict(int)
+        self._client_timed_calls = 0
 
-    def record(self, method: str, seconds: float) -> None:
+    def record(self, method: str, seconds: float, *, client_timed: bool = False) -> None:
         with self._lock:
             self._seconds[method] += float(seconds)
             self._calls[method] += 1
+            self._client_timed_calls += int(client_timed)
 
     def seconds(self) -> dict[str, float]:
         with self._lock:
@@ -31,3 +69,181 @@ class UsageMeter:
     def calls(self) -> dict[str, int]:
         with self._lock:
             return dict(self._calls)
+
+    def total_seconds(self) -> float:
+        with self._lock:
+            return sum(self._seconds.values())
+
+    def client_timed_calls(self) -> int:
+        with self._lock:
+            return self._client_timed_calls
+
+
+class PriceTable:
+    """Dollars per device-hour, found by device name.
+
+    A key matches a device when every word of the key is a word of the device name,
+    case-insensitively ("H100" matches "NVIDIA H100 80GB HBM3", "A100-80GB" matches
+    "NVIDIA A100-SXM4-80GB", "L4" does not match "NVIDIA L40S"). The user's keys are
+    tried before the defaults; among matches the most specific key wins. A flat
+    `price_per_hour` prices every device.
+    """
+
+    def __init__(self, prices: Mapping[str, float] | None = None, *, price_per_hour: float | None = None):
+        self.user = {str(k): _price(k, v) for k, v in (prices or {}).items()}
+        for key in self.user:
+            if not _words(key):
+                raise ConfigError(f"prices key {key!r} names no device", hint="use a device name such as 'H100' or 'cpu'")
+        self.flat = None if price_per_hour is None else _price("price_per_hour", price_per_hour)
+        self._warned: set[str] = set()
+
+    def per_hour(self, device: str) -> float | None:
+        """The $/hour for `device`, or None when no key matches."""
+        if self.flat is not None:
+            return self.flat
+        for table in (self.user, DEFAULT_PRICES_PER_HOUR):
+            matches = [key for key in table if set(_words(key)) <= set(_words(device))]
+            if matches:
+                return table[max(matches, key=lambda k: (len(_words(k)), len(k)))]
+        return None
+
+    def cost(self, device: str, seconds: float) -> float | None:
+        """Dollars for `seconds` on `device`; None (with one warning per device) when its price is unknown."""
+        rate = self.per_hour(device)
+        if rate is None:
+            if device not in self._warned:
+                self._warned.add(device)
+                warnings.warn(
+                    f"no price known for device {device!r}, so the run's cost is reported as n/a; {_PRICE_HINT}",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return None
+        return seconds * rate / 3600.0
+
+
+class RunUsage:
+    """One run's compute: a meter's seconds attributed to the phase they ran in, and their cost.
+
+    Phases run one after another in the client, so a phase's seconds are the meter's growth
+    while it was open (its calls may come from several threads). `prior` is what earlier
+    attempts of a resumed run already used (a `summary()` dict); it is added to the totals.
+    """
+
+    def __init__(self, meter: UsageMeter, prices: PriceTable, *, device: str | None = None, prior: dict | None = None):
+        self.meter = meter
+        self.prices = prices
+        self.device = device or meter.device or "unknown"
+        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.step_phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._start_seconds, self._start_calls = meter.seconds(), meter.calls()
+        self._start_client_timed = meter.client_timed_calls()
+        self.prior = prior or {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        before = self.meter.total_seconds()
+        try:
+            yield
+        finally:
+            seconds = self.meter.total_seconds() - before
+            self.phases[name] += seconds
+            self.step_phases[name] += seconds
+
+    def begin_step(self) -> None:
+        self.step_phases = dict.fromkeys(PHASES, 0.0)
+
+    def total_seconds(self) -> float:
+        return sum(self.phases.values()) + float(self.prior.get("gpu_seconds_total", 0.0))
+
+    def cost_usd(self) -> float | None:
+        cost = self.prices.cost(self.device, sum(self.phases.values()))
+        prior_seconds = float(self.prior.get("gpu_seconds_total", 0.0))
+        prior_cost = self.prior.get("cost_usd", 0.0)
+        if prior_cost is None and prior_seconds > 0:
+            # Earlier seconds had no price; one given now (e.g. on resume) prices them too.
+            rate = self.prices.per_hour(str(self.prior.get("device", "unknown")))
+            prior_cost = None if rate is None else prior_seconds * rate / 3600.0
+            if prior_cost is None:
+                return None
+        return None if cost is None else cost + (prior_cost or 0.0)
+
+    def step_columns(self) -> dict[str, float | None]:
+        """Metrics columns: this step's seconds per phase, and the run's cumulative seconds and cost."""
+        columns: dict[str, float | None] = {f"gpu_s/{p}": self.step_phases[p] for p in PHASES if p != "setup"}
+        columns["gpu_s/step"] = sum(self.step_phases.values())
+        columns["gpu_s/total"] = self.total_seconds()
+        columns["cost_usd"] = self.cost_usd()
+        return columns
+
+    def summary(self) -> dict:
+        """Plain data for the run state: seconds per phase and per function, device, price, cost."""
+        prior_phases = self.prior.get("gpu_seconds", {})
+        phases = {p: self.phases[p] + float(prior_phases.get(p, 0.0)) for p in PHASES}
+        seconds, calls = self.meter.seconds(), self.meter.calls()
+        by_function: dict[str, dict] = {}
+        for method in sorted(set(seconds) | set(self.prior.get("by_function", {}))):
+            before = self.prior.get("by_function", {}).get(method, {})
+            by_function[method] = {
+                "seconds": seconds.get(method, 0.0) - self._start_seconds.get(method, 0.0) + before.get("seconds", 0.0),
+                "calls": calls.get(method, 0) - self._start_calls.get(method, 0) + before.get("calls", 0),
+            }
+        by_function = {m: v for m, v in by_function.items() if v["calls"]}
+        client_timed = self.meter.client_timed_calls() - self._start_client_timed
+        return {
+            "device": self.device,
+            "measured_by": self.meter.source,
+            "client_timed_calls": client_timed + int(self.prior.get("client_timed_calls", 0)),
+            "price_per_hour": self.prices.per_hour(self.device),
+            "gpu_seconds": phases,
+            "gpu_seconds_total": sum(phases.values()),
+            "by_function": by_function,
+            "cost_usd": self.cost_usd(),
+        }
+
+
+def latest_usage(run_summary: Mapping) -> dict | None:
+    """The most complete usage an earlier attempt of a run left in its state (cumulative, so the largest)."""
+    candidates = [run_summary.get("usage"), (run_summary.get("last_metrics") or {}).get("usage")]
+    candidates = [c for c in candidates if isinstance(c, dict) and isinstance(c.get("gpu_seconds_total"), (int, float))]
+    return max(candidates, key=lambda c: c["gpu_seconds_total"], default=None)
+
+
+def format_usage(usage: Mapping) -> str:
+    """One line for the final report: seconds, their split by phase, and the cost."""
+    kind = "CPU" if usage.get("device") == "cpu" else "GPU"
+    phases = ", ".join(f"{p} {_seconds(s)}" for p, s in usage.get("gpu_seconds", {}).items() if s > 0)
+    rate = usage.get("price_per_hour")
+    cost = format_cost(usage.get("cost_usd"))
+    priced = f"{cost} at ${rate:.2f}/h" if rate is not None else f"cost n/a ({_PRICE_HINT})"
+    source = str(usage.get("measured_by"))
+    client_timed = usage.get("client_timed_calls", 0)
+    if client_timed and not source.startswith("client"):
+        source += f", {client_timed} calls timed by the client"
+    return (
+        f"{_seconds(usage.get('gpu_seconds_total', 0.0))} {kind}-seconds on {usage.get('device')} ({phases or 'none'}), "
+        f"measured by {source}; {priced}"
+    )
+
+
+def format_cost(cost: float | None) -> str:
+    if cost is None:
+        return "n/a"
+    return f"${cost:.4f}" if cost < 100 else f"${cost:,.0f}"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _words(name: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", str(name).lower())
+
+
+def _price(key: object, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(
+            f"price for {key!r} must be a non-negative number of dollars per hour, got {value!r}",
+            hint="e.g. prices={'H100': 3.95} or price_per_hour=2.5",
+        )
+    return float(value)

@@ -9,15 +9,18 @@ SkyPilot) implement the same `call_bytes`.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Protocol
 
-from tinkerless.errors import ConfigError, RemoteError, error_class_for
+from tinkerless.errors import ConfigError, RemoteError, TinkerlessError, error_class_for
+from tinkerless.sdk.accounting import UsageMeter
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import ErrorReply
 
 
 class Backend(Protocol):
     name: str
+    usage: UsageMeter  # compute seconds per function, measured where the body ran (see accounting.py)
 
     def call_bytes(self, method: str, payload: bytes) -> bytes: ...
 
@@ -34,13 +37,73 @@ class LocalBackend:
 
         self.worker = Worker(model, **worker_options)
         self._lock = threading.Lock()  # one model in this process: calls from several threads take turns
+        self.usage = UsageMeter(source="the in-process worker", device=_device_name(self.worker.device))
 
     def call_bytes(self, method: str, payload: bytes) -> bytes:
         with self._lock:
-            return self.worker.handle(method, payload)
+            # Timed inside the lock: waiting for another thread's call is not compute.
+            started = time.perf_counter()
+            try:
+                return self.worker.handle(method, payload)
+            finally:
+                self.usage.record(method, time.perf_counter() - started)
 
     def close(self) -> None:
         pass
+
+
+class ClientTimed:
+    """Wraps a backend that keeps no `usage` meter: bills each call's client-side wall time.
+
+    That includes network and queueing, so it overstates compute; `usage.source` says so.
+    """
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.name = getattr(inner, "name", type(inner).__name__)
+        self.usage = UsageMeter(source="client wall time (the backend reports no compute seconds)")
+
+    def call_bytes(self, method: str, payload: bytes) -> bytes:
+        started = time.perf_counter()
+        try:
+            return self.inner.call_bytes(method, payload)
+        finally:
+            self.usage.record(method, time.perf_counter() - started, client_timed=True)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # anything else the user's backend offers
+        if name == "inner":  # not set yet (e.g. while unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def with_usage(backend: Any) -> Backend:
+    """`backend` itself when it meters its calls, else wrapped so its calls are at least wall-timed."""
+    return backend if isinstance(getattr(backend, "usage", None), UsageMeter) else ClientTimed(backend)
+
+
+def device_of(backend: Backend) -> str:
+    """What the backend's functions run on: the meter's device, else the worker's `info` reply."""
+    if backend.usage.device:
+        return backend.usage.device
+    try:
+        info = call(backend, "info", {})
+    except TinkerlessError:
+        return "unknown"  # a backend without `info`: its cost is n/a, with a warning saying how to price it
+    device = str(info.get("device_name") or info.get("device") or "unknown") if isinstance(info, dict) else "unknown"
+    backend.usage.device = device
+    return device
+
+
+def _device_name(device: str) -> str:
+    """"cpu", or the GPU's marketing name (e.g. "NVIDIA H100 80GB HBM3") that prices are matched against."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return device
 
 
 def call(backend: Backend, method: str, request: Any) -> Any:

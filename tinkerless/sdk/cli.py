@@ -103,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("--tenant", help="tenant the new key belongs to")
     keys.add_argument("--storage", default=".")
 
-    runs = sub.add_parser("runs", help="list runs in a storage location")
+    runs = sub.add_parser(
+        "runs", help="list runs in a storage location, with the device-seconds they used and their estimated cost"
+    )
     runs.add_argument("--storage", default=".")
 
     evaluate = sub.add_parser("eval", help="run the env with a saved adapter, no training")
@@ -194,19 +196,30 @@ def _keys(args) -> int:
 
 def _runs(args) -> int:
     from tinkerless.coordinator import list_runs
+    from tinkerless.sdk.accounting import format_cost, latest_usage
     from tinkerless.storage import ObjectStore
 
     runs = list_runs(ObjectStore(args.storage))
     if not runs:
         print(f"no runs in {args.storage}")
         return 0
-    print(f"{'RUN':<40} {'STATUS':<9} {'STEP':>9} {'REWARD first3→last3':>22} {'CHECKPOINT':>10}")
+    print(
+        f"{'RUN':<40} {'STATUS':<9} {'STEP':>9} {'REWARD first3→last3':>22} {'CHECKPOINT':>10} "
+        f"{'GPU-SECONDS':>11} {'COST':>10}  DEVICE"
+    )
     for run in runs:
         total = run.config.get("steps", "?")
         s = run.summary
         reward = f"{_fmt(s.get('reward_first3'))} → {_fmt(s.get('reward_last3'))}" if "reward_last3" in s else "-"
         ckpt = "-" if run.last_checkpoint_step is None else f"step-{run.last_checkpoint_step}"
-        print(f"{run.run_id:<40} {run.status:<9} {f'{run.step}/{total}':>9} {reward:>22} {ckpt:>10}")
+        usage = latest_usage(s)  # from the finish summary or, for a run still going, its last committed step
+        seconds = "-" if usage is None else f"{usage['gpu_seconds_total']:.1f}"
+        cost = "-" if usage is None else format_cost(usage.get("cost_usd"))
+        device = "-" if usage is None else usage.get("device", "?")
+        print(
+            f"{run.run_id:<40} {run.status:<9} {f'{run.step}/{total}':>9} {reward:>22} {ckpt:>10} "
+            f"{seconds:>11} {cost:>10}  {device}"
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from tinkerless.errors import ConfigError
 from tinkerless.functions.losses import LOSS_NAMES, LossConfig
 from tinkerless.envs.base import is_multi_agent
+from tinkerless.sdk.accounting import PriceTable
 from tinkerless.sdk.advantages import AdvantageConfig
 from tinkerless.sdk.agents import check_roles, seatings, trainable_policies
 
@@ -66,6 +67,9 @@ class TrainConfig:
     on_env_error: str = "skip"  # skip | raise
     micro_batch_size: int = 16
     progress: bool = True
+    # pay-per-use: device seconds are priced in $/hour; see tinkerless.sdk.accounting.DEFAULT_PRICES_PER_HOUR
+    prices: dict[str, float] | None = None  # device name -> $/hour, tried before the defaults ("H100": 2.0)
+    price_per_hour: float | None = None  # one flat $/hour for whatever device runs the functions
 
     def validate(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -100,6 +104,7 @@ class TrainConfig:
             raise ConfigError(f"invalid run_id {self.run_id!r}", hint="letters, digits, '.', '_' and '-'")
         self.loss_config().validate()
         self.advantage_config().validate()
+        self.price_table()
 
     def loss_config(self) -> LossConfig:
         normalization = self.normalization or ALGORITHMS[self.algo][1]
@@ -116,6 +121,14 @@ class TrainConfig:
 
     def advantage_config(self) -> AdvantageConfig:
         return AdvantageConfig(estimator=ALGORITHMS[self.algo][0])
+
+    def price_table(self) -> PriceTable:
+        """The prices this run's compute is billed at (ConfigError for a negative or non-numeric price)."""
+        if self.prices is not None and not isinstance(self.prices, dict):
+            raise ConfigError(
+                f"prices must be a dict of device name -> $/hour, got {self.prices!r}", hint="e.g. prices={'H100': 3.95}"
+            )
+        return PriceTable(self.prices, price_per_hour=self.price_per_hour)
 
     def replace(self, **changes: Any) -> "TrainConfig":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

@@ -3,15 +3,20 @@
 It posts the same msgpack envelopes the local backend hands its worker in-process
 and returns the reply bytes, error replies included (400/413/500 carry an encoded
 `ErrorReply`), so `tinkerless.sdk.backends.call` raises the same typed errors.
+Each reply's `X-Tinkerless-Compute-Seconds` header (the server's timing of the function
+body) goes into `self.usage`: queueing and network time are not billed.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import time
 
 import httpx
 
 from tinkerless.errors import RemoteError
+from tinkerless.sdk.accounting import COMPUTE_SECONDS_HEADER, UsageMeter
 
 MSGPACK = "application/msgpack"
 _ENVELOPE_STATUSES = (200, 400, 401, 413, 500)  # statuses whose body is a msgpack envelope from the server
@@ -34,9 +39,11 @@ class HTTPBackend:
             timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
             headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
         )
+        self.usage = UsageMeter(source="the server (X-Tinkerless-Compute-Seconds)")
 
     def call_bytes(self, method: str, payload: bytes) -> bytes:
         url = f"{self.base_url}/v1/call/{method}"
+        started = time.perf_counter()
         try:
             response = self._client.post(f"/v1/call/{method}", content=payload, headers={"Content-Type": MSGPACK})
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -52,11 +59,24 @@ class HTTPBackend:
                 "check that the server is still running (its log says why it stopped) and retry",
             ) from exc
         if response.status_code in _ENVELOPE_STATUSES and response.headers.get("content-type", "").startswith(MSGPACK):
+            self._record(method, response, time.perf_counter() - started)
             return response.content
         raise _remote_error(
             f"{url} answered HTTP {response.status_code} without a tinkerless reply: {response.text[:200]!r}",
             "check that the URL points at a `tinkerless serve` server (not a proxy or another service)",
         )
+
+    def _record(self, method: str, response: httpx.Response, wall_seconds: float) -> None:
+        """Bill the server's timing; a reply without it (an older server, a proxy that drops headers)
+        that still ran the function is billed at the client's wall time, marked as such."""
+        try:
+            seconds = float(response.headers[COMPUTE_SECONDS_HEADER])
+        except (KeyError, ValueError):
+            seconds = math.nan
+        if math.isfinite(seconds) and seconds >= 0:
+            self.usage.record(method, seconds)
+        elif response.status_code == 200:  # error replies without the header were refused before any function ran
+            self.usage.record(method, wall_seconds, client_timed=True)
 
     def close(self) -> None:
         self._client.close()

@@ -1,8 +1,10 @@
-"""A tqdm progress bar with live reward, loss and tokens/s."""
+"""A tqdm progress bar with live reward, loss, tokens/s and the run's compute so far (seconds, $)."""
 
 from __future__ import annotations
 
 import math
+
+from tinkerless.sdk.accounting import format_cost
 
 
 class Progress:
@@ -21,6 +23,8 @@ class Progress:
             loss=_fmt(record.get("loss"), 3, "g"),
             tok_s=_fmt(record.get("tokens_per_s"), 1),
             err=record.get("episodes_error", 0),
+            gpu_s=_fmt(record.get("gpu_s/total"), 1),
+            cost=_cost(record),
             refresh=False,
         )
         self.bar.update(1)
@@ -38,3 +42,7 @@ def _fmt(value, digits: int = 3, kind: str = "f") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:.{digits}{kind}}"
+
+
+def _cost(record: dict) -> str:
+    return format_cost(record["cost_usd"]) if "cost_usd" in record else "-"

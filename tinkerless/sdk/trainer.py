@@ -3,6 +3,8 @@
 Per step: rollout (functions) → group-relative advantages (client) →
 optional forward for TIS/KL (functions) → update (functions) → commit
 (coordinator) → metrics and, every N steps, a verified checkpoint (storage).
+The backend's compute seconds are attributed to the phase they ran in and priced
+(`accounting.RunUsage`): per step in the metrics, per run in the coordinator summary.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import numpy as np
 
 from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs, run_prefix
 from tinkerless.errors import EnvError, UserError
+from tinkerless.sdk.accounting import RunUsage, format_usage, latest_usage
 from tinkerless.sdk.advantages import group_advantages
-from tinkerless.sdk.backends import Backend, make_backend
+from tinkerless.sdk.backends import Backend, device_of, make_backend, with_usage
 from tinkerless.sdk.client import TrainingClient
 from tinkerless.sdk.config import TrainConfig
 from tinkerless.envs.base import is_multi_agent
@@ -55,6 +58,7 @@ class RunResult:
     last_checkpoint_step: int | None = None
     plot_path: Path | None = None
     events: list[tuple[int, str, str]] = field(default_factory=list)
+    usage: dict = field(default_factory=dict)  # compute seconds per phase and function, device, cost (RunUsage.summary)
 
 
 def train(config: TrainConfig | None = None, *, backend: Backend | str | None = None, **settings: Any) -> RunResult:
@@ -96,25 +100,33 @@ class _Run:
         self.step = 0
         self._versions: dict[str, int] = {}
         try:
-            self.backend = backend or make_backend(
-                config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size
-            )
-            # Worker-side policy names are scoped to this run: a shared server holds many runs' adapters.
-            self.namespace = "r" + hashlib.sha256(f"{self.store.url}|{self.run_id}".encode()).hexdigest()[:10]
-            self.clients = {
-                name: TrainingClient(
-                    self.backend,
-                    policy=name,
-                    lora=LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed + i),
-                    namespace=self.namespace,
+            self.backend = with_usage(
+                backend
+                or make_backend(
+                    config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size
                 )
-                for i, name in enumerate(self.policies)
-            }
-            self._load_frozen_adapters()
-            if start:
-                self._restore()
+            )
+            # A resumed run goes on billing from what its earlier attempts used.
+            prior = latest_usage(self.coordinator.state.summary) if start else None
+            self.usage = RunUsage(self.backend.usage, config.price_table(), prior=prior)
+            with self.usage.phase("setup"):
+                self.usage.device = device_of(self.backend)
+                # Worker-side policy names are scoped to this run: a shared server holds many runs' adapters.
+                self.namespace = "r" + hashlib.sha256(f"{self.store.url}|{self.run_id}".encode()).hexdigest()[:10]
+                self.clients = {
+                    name: TrainingClient(
+                        self.backend,
+                        policy=name,
+                        lora=LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed + i),
+                        namespace=self.namespace,
+                    )
+                    for i, name in enumerate(self.policies)
+                }
+                self._load_frozen_adapters()
+                if start:
+                    self._restore()
         except BaseException:
-            self.coordinator.finish("failed")  # never leave a run that looks alive
+            self.coordinator.finish("failed", self._usage_summary())  # never leave a run that looks alive
             raise
 
     def _open_run(self) -> tuple[Coordinator, bool]:
@@ -178,35 +190,48 @@ class _Run:
                 started = time.perf_counter()
                 self.step += 1
                 if self.step % config.checkpoint_every == 0 or self.step == config.steps:
-                    self._save_checkpoint(policy_versions)
+                    with self.usage.phase("storage"):  # save_state runs on the functions
+                        self._save_checkpoint(policy_versions)
                 record["storage_s"] += time.perf_counter() - started
+                record.update(self.usage.step_columns())
                 self.metrics.log(record)
                 progress.update(record)
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
         except BaseException:
-            self.coordinator.finish("failed")
+            self.coordinator.finish("failed", self._usage_summary())
             progress.close()
             raise
         progress.close()
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
-        self.coordinator.finish("finished", _summary(records))
+        usage = self.usage.summary()
+        self.coordinator.finish("finished", {**_summary(records), "usage": usage})
         self.backend.close()
         if self.multi_agent:
             plot_outcomes(self.run_dir / "metrics.jsonl", self.run_dir / "outcomes.png", self.policies, title=self.run_id)
-        result = RunResult(self.run_id, self.run_dir, records, self.checkpoints.latest_step(), Path(plot), self.events)
+        result = RunResult(
+            self.run_id, self.run_dir, records, self.checkpoints.latest_step(), Path(plot), self.events, usage
+        )
         self._say(_final_report(result))
         return result
+
+    def _usage_summary(self) -> dict | None:
+        """What a failed run used so far (None if it failed before its backend existed)."""
+        usage = getattr(self, "usage", None)
+        return None if usage is None else {"usage": usage.summary()}
 
     def _train_step(self) -> tuple[dict, dict[str, int]]:
         config, step = self.config, self.step
         timings = {"rollout_s": 0.0, "forward_s": 0.0, "update_s": 0.0, "storage_s": 0.0}
+        self.usage.begin_step()
         started = time.perf_counter()
-        self.coordinator.begin_rollout(step, participants=self.policies)
-        tasks, self.cursor = self.tasks.batch(self.cursor, config.batch_size)
-        episodes = self._multi_agent_rollouts(tasks) if self.multi_agent else self._rollouts(tasks)
-        self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)  # global barrier: every policy's rollouts are in
+        with self.usage.phase("rollout"):
+            self.coordinator.begin_rollout(step, participants=self.policies)
+            tasks, self.cursor = self.tasks.batch(self.cursor, config.batch_size)
+            episodes = self._multi_agent_rollouts(tasks) if self.multi_agent else self._rollouts(tasks)
+            # global barrier: every policy's rollouts are in
+            self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)
         timings["rollout_s"] = time.perf_counter() - started
         self._check_errors(episodes)
 
@@ -217,7 +242,9 @@ class _Run:
             self._event("update_start", name)
             own = [e for e in episodes if e.status != "error" and e.info.get("policy", "default") == name]
             metrics[name], versions[name] = self._update(client, own, timings)
-        self.coordinator.commit_update(step, {"reward_mean": _mean([e.reward for e in episodes if e.status != "error"])})
+        reward_mean = _mean([e.reward for e in episodes if e.status != "error"])
+        # Usage so far rides along, so a killed run's state still says what it used (and a resume adds to it).
+        self.coordinator.commit_update(step, {"reward_mean": reward_mean, "usage": self.usage.summary()})
         self._event("committed", "*")
         record = _step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started)
         if self.multi_agent:
@@ -280,7 +307,8 @@ class _Run:
         data = self._datums(episodes)
         if data and (config.tis_cap is not None or config.kl_coef > 0):
             t = time.perf_counter()
-            forward = client.forward(data, with_reference=config.kl_coef > 0)
+            with self.usage.phase("forward"):
+                forward = client.forward(data, with_reference=config.kl_coef > 0)
             for i, datum in enumerate(data):
                 datum.old_logprobs = forward.logprobs[i]
                 if forward.ref_logprobs is not None:
@@ -290,7 +318,8 @@ class _Run:
             return {"trained_sequences": 0}, self._versions.get(client.policy, 0)
         t = time.perf_counter()
         adam = AdamParams(learning_rate=config.learning_rate, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
-        update = client.update(data, config.loss_config(), adam)
+        with self.usage.phase("update"):
+            update = client.update(data, config.loss_config(), adam)
         timings["update_s"] += time.perf_counter() - t
         self._versions[client.policy] = update.policy_version
         return {**update.metrics, "trained_sequences": len(data)}, update.policy_version
@@ -403,6 +432,7 @@ def _final_report(result: RunResult) -> str:
         f"run {result.run_id} finished: reward first 3 steps {fmt(s['reward_first3'])} → last 3 steps {fmt(s['reward_last3'])}\n"
         f"  metrics: {result.run_dir / 'metrics.jsonl'}\n  plot:    {result.plot_path}\n"
         f"  checkpoint: step-{result.last_checkpoint_step} (resume with --resume --run-id {result.run_id})"
+        + (f"\n  compute: {format_usage(result.usage)}" if result.usage else "")
     )
 
 
