@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 import tinkerless
 from tinkerless.coordinator import checkpoint_prefix
-from tinkerless.errors import ProtocolError, RemoteError, UserError
+from tinkerless.errors import ProtocolError, RemoteError, ServerBusy, UserError
 from tinkerless.sdk.backends import LocalBackend, call, raise_error_reply
 from tinkerless.sdk.http_backend import HTTPBackend
 from tinkerless.server import create_app
@@ -281,3 +282,71 @@ def test_runs_sharing_a_server_start_from_their_own_fresh_adapters(tiny_model, s
     assert _adapter_files(tmp_path / "two", second) == _adapter_files(tmp_path / "one", first)
     policies = httpx.get(server_url + "/healthz").json()["policies"]
     assert len([p for p in policies if p.endswith("-default")]) >= 2
+
+
+class RecordingWorker:
+    """Records the order calls reach it; "slow" calls hold the model until released."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.release = threading.Event()
+
+    def handle(self, method: str, payload: bytes) -> bytes:
+        if method == "slow":
+            self.release.wait(10)
+        self.calls.append(decode_message(payload)["tag"])
+        return encode_message({"ok": True})
+
+    def info(self, _request=None) -> dict:
+        return {"model": "recording", "policies": {}}
+
+
+def test_http_calls_run_in_the_order_the_client_made_them():
+    worker = RecordingWorker()
+    worker.release.set()
+    with running(create_app(worker)) as url:
+        backend = HTTPBackend(url)
+        stream = {"X-Tinkerless-Stream": "fixed", "Content-Type": "application/msgpack"}
+        # Sent out of order on one stream: #3, then #2, then #1. The server runs #1, #2, #3.
+        with ThreadPoolExecutor(3) as pool:
+            futures = []
+            for seq in (3, 2, 1):
+                body = encode_message({"tag": f"call-{seq}"})
+                futures.append(pool.submit(httpx.post, f"{url}/v1/call/info", content=body, headers={**stream, "X-Tinkerless-Seq": str(seq)}))
+                time.sleep(0.2)  # make the arrival order certain
+            assert [f.result().status_code for f in futures] == [200, 200, 200]
+        assert worker.calls == ["call-1", "call-2", "call-3"]
+        backend.close()
+
+
+def test_a_full_queue_answers_429_and_the_backend_retries_after_the_delay():
+    worker = RecordingWorker()
+    with running(create_app(worker, max_pending=1)) as url:
+        with ThreadPoolExecutor(2) as pool:
+            slow = pool.submit(HTTPBackend(url).call_bytes, "slow", encode_message({"tag": "slow"}))
+            time.sleep(0.3)  # the slow call is running; the next one fills the one queue slot
+            queued = pool.submit(HTTPBackend(url).call_bytes, "info", encode_message({"tag": "queued"}))
+            time.sleep(0.3)
+            refused = httpx.post(f"{url}/v1/call/info", content=encode_message({"tag": "refused"}))
+            assert refused.status_code == 429 and float(refused.headers["retry-after"]) >= 1
+            assert decode_message(refused.content).type == "ServerBusy"
+            # A backend call made now is refused too, and retried by HTTPBackend until there is room.
+            retried = pool.submit(HTTPBackend(url).call_bytes, "info", encode_message({"tag": "retried"}))
+            time.sleep(0.5)
+            worker.release.set()
+            for future in (slow, queued, retried):
+                assert decode_message(future.result(30)) == {"ok": True}
+        assert worker.calls == ["slow", "queued", "retried"]
+
+
+def test_a_queue_that_stays_full_is_a_clear_error():
+    worker = RecordingWorker()
+    with running(create_app(worker, max_pending=1)) as url:
+        with ThreadPoolExecutor(2) as pool:
+            pool.submit(HTTPBackend(url).call_bytes, "slow", encode_message({"tag": "slow"}))
+            time.sleep(0.3)
+            pool.submit(HTTPBackend(url).call_bytes, "info", encode_message({"tag": "queued"}))
+            time.sleep(0.3)
+            with pytest.raises(ServerBusy, match="stayed busy"):
+                HTTPBackend(url, busy_timeout=0.5).call_bytes("info", encode_message({"tag": "late"}))
+            worker.release.set()

@@ -104,3 +104,11 @@ def test_streams_are_per_tenant():
     assert scheduler.submit(lambda: "a", tenant="a", stream="m", seq=1).result(5) == "a"
     assert scheduler.submit(lambda: "b", tenant="b", stream="m", seq=1).result(5) == "b"
     scheduler.close()
+
+
+def test_a_skipped_sequence_number_lets_the_stream_continue():
+    scheduler = Scheduler()
+    later = scheduler.submit(lambda: "second", tenant="a", stream="m", seq=2)
+    scheduler.skip("a", "m", 1)  # call #1 was refused at the door (e.g. 413): #2 need not wait for it
+    assert later.result(5) == "second"
+    scheduler.close()

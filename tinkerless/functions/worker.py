@@ -163,6 +163,8 @@ class Worker:
         return {
             "model": self.model_name,
             "device": self.device,
+            # The GPU's own name ("NVIDIA H100 80GB HBM3"): what pay-per-use accounting prices.
+            "device_name": torch.cuda.get_device_name(torch.device(self.device)) if self.device.startswith("cuda") else self.device,
             "engine": self.engine.name,
             "policies": {name: p.version for name, p in self.policies.items()},
         }

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from tinkerless.errors import ConfigError
 
 # The server's timing of the function body, sent on every /v1/call reply (server and client share it).
-COMPUTE_SECONDS_HEADER = "X-Tinkerless-Compute-Seconds"
+from tinkerless.wire.http import COMPUTE_SECONDS_HEADER  # noqa: F401 - re-exported for backends
 
 # Modal list prices, mid-2026 (https://modal.com/pricing), in $ per GPU-hour. "cpu" is the local
 # backend's device: your own machine, free by default.

@@ -5,20 +5,28 @@ and returns the reply bytes, error replies included (400/413/500 carry an encode
 `ErrorReply`), so `tinkerless.sdk.backends.call` raises the same typed errors.
 Each reply's `X-Tinkerless-Compute-Seconds` header (the server's timing of the function
 body) goes into `self.usage`: queueing and network time are not billed.
+
+Every call carries this client's stream id and a sequence number, so the server runs
+them in the order they were made even when threads or retries make them arrive out of
+order. A 429 (queue full) is retried after the server's Retry-After, with the same
+sequence number, for up to `busy_timeout` seconds.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import threading
 import time
+import uuid
 
 import httpx
 
-from tinkerless.errors import RemoteError
-from tinkerless.sdk.accounting import COMPUTE_SECONDS_HEADER, UsageMeter
+from tinkerless.errors import RemoteError, ServerBusy
+from tinkerless.sdk.accounting import UsageMeter
+from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, SEQ_HEADER, STREAM_HEADER
 
-MSGPACK = "application/msgpack"
 _ENVELOPE_STATUSES = (200, 400, 401, 413, 500)  # statuses whose body is a msgpack envelope from the server
 _START_HINT = "start the server with `tinkerless serve --host 127.0.0.1 --port 8000 --model MODEL` and check the URL"
 
@@ -29,7 +37,13 @@ class HTTPBackend:
     name = "http"
 
     def __init__(
-        self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0, connect_timeout: float = 10.0
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        busy_timeout: float = 300.0,
     ):
         self.base_url = base_url.rstrip("/")
         api_key = api_key or os.environ.get("TINKERLESS_API_KEY")
@@ -40,12 +54,41 @@ class HTTPBackend:
             headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
         )
         self.usage = UsageMeter(source="the server (X-Tinkerless-Compute-Seconds)")
+        self.busy_timeout = busy_timeout
+        self._stream = uuid.uuid4().hex
+        self._seq = itertools.count(1)
+        self._seq_lock = threading.Lock()
 
     def call_bytes(self, method: str, payload: bytes) -> bytes:
         url = f"{self.base_url}/v1/call/{method}"
+        with self._seq_lock:
+            seq = next(self._seq)
+        headers = {"Content-Type": MSGPACK, STREAM_HEADER: self._stream, SEQ_HEADER: str(seq)}
         started = time.perf_counter()
+        deadline = time.monotonic() + self.busy_timeout
+        while True:
+            response = self._post(method, url, payload, headers)
+            if response.status_code != 429:
+                break
+            wait = _retry_after(response)
+            if time.monotonic() + wait > deadline:
+                raise ServerBusy(
+                    f"{url} stayed busy (HTTP 429, queue full) for {self.busy_timeout:.0f}s",
+                    hint="the server is overloaded: retry later, raise HTTPBackend(busy_timeout=...), "
+                    "or start more servers",
+                )
+            time.sleep(wait)
+        if response.status_code in _ENVELOPE_STATUSES and response.headers.get("content-type", "").startswith(MSGPACK):
+            self._record(method, response, time.perf_counter() - started)
+            return response.content
+        raise _remote_error(
+            f"{url} answered HTTP {response.status_code} without a tinkerless reply: {response.text[:200]!r}",
+            "check that the URL points at a `tinkerless serve` server (not a proxy or another service)",
+        )
+
+    def _post(self, method: str, url: str, payload: bytes, headers: dict[str, str]) -> httpx.Response:
         try:
-            response = self._client.post(f"/v1/call/{method}", content=payload, headers={"Content-Type": MSGPACK})
+            return self._client.post(f"/v1/call/{method}", content=payload, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise _remote_error(f"cannot reach the tinkerless server at {self.base_url} ({exc})", _START_HINT) from exc
         except httpx.TimeoutException as exc:
@@ -58,13 +101,6 @@ class HTTPBackend:
                 f"connection to {url} failed during {method} ({type(exc).__name__}: {exc})",
                 "check that the server is still running (its log says why it stopped) and retry",
             ) from exc
-        if response.status_code in _ENVELOPE_STATUSES and response.headers.get("content-type", "").startswith(MSGPACK):
-            self._record(method, response, time.perf_counter() - started)
-            return response.content
-        raise _remote_error(
-            f"{url} answered HTTP {response.status_code} without a tinkerless reply: {response.text[:200]!r}",
-            "check that the URL points at a `tinkerless serve` server (not a proxy or another service)",
-        )
 
     def _record(self, method: str, response: httpx.Response, wall_seconds: float) -> None:
         """Bill the server's timing; a reply without it (an older server, a proxy that drops headers)
@@ -80,6 +116,13 @@ class HTTPBackend:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return min(max(float(response.headers.get("retry-after", "1")), 0.1), 30.0)
+    except ValueError:
+        return 1.0
 
 
 def _remote_error(message: str, hint: str) -> RemoteError:

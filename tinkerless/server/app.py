@@ -33,17 +33,14 @@ from tinkerless.server.keys import KeyStore
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
+from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, SEQ_HEADER, STREAM_HEADER
 from tinkerless.wire.messages import ErrorReply
 
-MSGPACK = "application/msgpack"
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 # Replies that carry an ErrorReply contain its type tag; only those are decoded to pick a status.
 _ERROR_TAG = f"{ErrorReply.__module__}:{ErrorReply.__qualname__}".encode()
 
 
-COMPUTE_SECONDS_HEADER = "X-Tinkerless-Compute-Seconds"
-STREAM_HEADER = "X-Tinkerless-Stream"  # one client's calls to this server ...
-SEQ_HEADER = "X-Tinkerless-Seq"  # ... run in this order (1, 2, 3, ...)
 
 
 class Handler(Protocol):
@@ -111,27 +108,26 @@ def create_app(
                 ),
             )
         try:
+            stream, seq = _stream_of(request)
+        except ProtocolError as exc:
+            return _error_response(400, exc)
+        try:
             body = await _read_body(request, max_request_bytes)
-        except _RequestTooLarge as too_large:
+            if tenant:  # multi-tenant: scope every policy name to the caller
+                body = encode_message(scope(decode_message(body), tenant_prefix(tenant)))
+        except (_RequestTooLarge, ProtocolError) as exc:
+            if stream is not None:
+                scheduler.skip(tenant, stream, seq)  # refused before running: later calls must not wait for it
+            if isinstance(exc, ProtocolError):
+                return _error_response(400, exc)
             return _error_response(
                 413,
                 ProtocolError(
-                    f"request body of {too_large.size} bytes is over this server's limit of {too_large.limit} bytes "
+                    f"request body of {exc.size} bytes is over this server's limit of {exc.limit} bytes "
                     f"(max_request_bytes)",
                     hint="send smaller batches (fewer tasks or data per call) or start the server with a larger limit",
                 ),
             )
-        except ProtocolError as exc:
-            return _error_response(400, exc)
-        if tenant:  # multi-tenant: scope every policy name to the caller
-            try:
-                body = encode_message(scope(decode_message(body), tenant_prefix(tenant)))
-            except ProtocolError as exc:
-                return _error_response(400, exc)
-        try:
-            stream, seq = _stream_of(request)
-        except ProtocolError as exc:
-            return _error_response(400, exc)
 
         def run() -> tuple[bytes, float]:
             started = time.perf_counter()

@@ -103,6 +103,17 @@ class Scheduler:
             self._cond.notify_all()
             return job.future
 
+    def skip(self, tenant: str, stream: str, seq: int) -> None:
+        """Mark a sequence number as used without running anything (the call was refused on arrival)."""
+        with self._cond:
+            state = self._streams.setdefault((tenant, stream), _Stream())
+            if seq < state.next_seq or seq in state.waiting:
+                return
+            state.waiting[seq] = Job(tenant, stream, seq, lambda: None, arrival=next(self._arrivals))
+            self._pending += 1
+            self._release(state)
+            self._cond.notify_all()
+
     def start_stream(self, tenant: str, stream: str, next_seq: int = 1) -> None:
         """Declare a stream (e.g. a new model) whose first call will carry `next_seq`."""
         with self._cond:
