@@ -11,6 +11,7 @@ answer is nothing but that number.
 import re
 
 import tinkerless
+from tinkerless.cloud.modal_entry import modal_entrypoint
 
 
 def make_task(rng):
@@ -41,6 +42,8 @@ config = tinkerless.TrainConfig(
     lora_rank=16,
     checkpoint_every=5,
 )
+
+app = modal_entrypoint(config)  # `modal run examples/arithmetic.py` trains this config on Modal
 
 if __name__ == "__main__":
     tinkerless.train(config)

@@ -14,6 +14,7 @@ towards the format before it ever answers right.
 """
 
 import tinkerless
+from tinkerless.cloud.modal_entry import modal_entrypoint
 from tinkerless.envs.calculator import CalculatorEnv, make_word_problem
 
 config = tinkerless.TrainConfig(
@@ -31,6 +32,8 @@ config = tinkerless.TrainConfig(
     learning_rate=5e-4,
     checkpoint_every=4,
 )
+
+app = modal_entrypoint(config)  # `modal run examples/calculator_agent.py` trains this config on Modal
 
 if __name__ == "__main__":
     tinkerless.train(config)

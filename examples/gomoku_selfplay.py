@@ -10,6 +10,7 @@ to train several policies against each other instead.
 """
 
 import tinkerless
+from tinkerless.cloud.modal_entry import modal_entrypoint
 from tinkerless.envs.gomoku import GomokuEnv
 
 config = tinkerless.TrainConfig(
@@ -28,6 +29,8 @@ config = tinkerless.TrainConfig(
     learning_rate=1e-3,
     checkpoint_every=4,
 )
+
+app = modal_entrypoint(config)  # `modal run examples/gomoku_selfplay.py` trains this config on Modal
 
 if __name__ == "__main__":
     tinkerless.train(config)

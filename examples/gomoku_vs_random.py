@@ -11,6 +11,7 @@ Writes runs/<id>/outcomes.png with win/draw/loss rate against step.
 """
 
 import tinkerless
+from tinkerless.cloud.modal_entry import modal_entrypoint
 from tinkerless.envs.gomoku import GomokuEnv, random_opponent
 
 config = tinkerless.TrainConfig(
@@ -29,6 +30,8 @@ config = tinkerless.TrainConfig(
     learning_rate=1e-3,
     checkpoint_every=4,
 )
+
+app = modal_entrypoint(config)  # `modal run examples/gomoku_vs_random.py` trains this config on Modal
 
 if __name__ == "__main__":
     tinkerless.train(config)

@@ -11,6 +11,7 @@ penalty for a turn with no number in it.
 import re
 
 import tinkerless
+from tinkerless.cloud.modal_entry import modal_entrypoint
 
 LOW, HIGH = 1, 16
 
@@ -62,6 +63,8 @@ config = tinkerless.TrainConfig(
     learning_rate=5e-4,
     checkpoint_every=5,
 )
+
+app = modal_entrypoint(config)  # `modal run examples/guess_number.py` trains this config on Modal
 
 if __name__ == "__main__":
     tinkerless.train(config)

@@ -258,7 +258,7 @@ def test_unknown_hub_id_offline(tmp_path, monkeypatch):
     assert "Hugging Face cache" in info.value.hint
 
 
-@pytest.mark.parametrize("changes", [{"model": "/nonexistent/dir"}, {"backend": "modal"}])
+@pytest.mark.parametrize("changes", [{"model": "/nonexistent/dir"}, {"backend": "no-such-backend"}])
 def test_startup_failure_leaves_no_running_run(tiny_model, tmp_path, changes):
     with pytest.raises((ModelNotFoundError, ConfigError)):
         tinkerless.train(reward=length_reward, tasks=TASKS, run_id="ghost", **{**settings(tiny_model, tmp_path), **changes})

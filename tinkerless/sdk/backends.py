@@ -138,9 +138,14 @@ def make_backend(backend: str | Backend, model: str, **options: Any) -> Backend:
         from tinkerless.sdk.http_backend import HTTPBackend  # httpx loads only for remote runs
 
         return HTTPBackend(backend)  # engine and micro-batch size are the server's to set
-    if backend in ("modal", "sky"):
-        raise ConfigError(
-            f"backend {backend!r} is not available in this version of tinkerless",
-            hint="use backend='local' or a `tinkerless serve` URL ('http://host:port'); Modal and SkyPilot arrive later",
-        )
-    raise ConfigError(f"unknown backend {backend!r}", hint="backend='local', 'modal', 'sky' or 'http://host:port'")
+    if backend == "sky" or backend.startswith("sky:"):
+        from tinkerless.cloud.sky_backend import make_sky_backend  # skypilot loads only for sky runs
+
+        return make_sky_backend(model, cluster=backend[4:] or None, **options)
+    if backend == "modal":
+        from tinkerless.cloud.modal_backend import make_modal_backend  # modal loads only for Modal runs
+
+        return make_modal_backend(model, **options)
+    raise ConfigError(
+        f"unknown backend {backend!r}", hint="backend='local', 'modal', 'sky', 'sky:<cluster>' or 'http://host:port'"
+    )

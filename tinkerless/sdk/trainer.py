@@ -185,22 +185,27 @@ class _Run:
         config = self.config
         progress = Progress(total=config.steps, initial=self.step, enabled=config.progress, description=self.run_id)
         try:
+            checkpoint_s = 0.0  # a checkpoint's time is reported with the next step's record
             while self.step < config.steps:
                 record, policy_versions = self._train_step()
-                started = time.perf_counter()
+                record["storage_s"] += checkpoint_s
+                record.update(self.usage.step_columns())
+                # The step's line goes out before its checkpoint: a crash in between leaves a line that
+                # resume truncates (it resumes from the previous checkpoint), never a checkpoint without its line.
+                self.metrics.log(record)
                 self.step += 1
+                started = time.perf_counter()
                 if self.step % config.checkpoint_every == 0 or self.step == config.steps:
                     with self.usage.phase("storage"):  # save_state runs on the functions
                         self._save_checkpoint(policy_versions)
-                record["storage_s"] += time.perf_counter() - started
-                record.update(self.usage.step_columns())
-                self.metrics.log(record)
+                checkpoint_s = time.perf_counter() - started
                 progress.update(record)
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
         except BaseException:
             self.coordinator.finish("failed", self._usage_summary())
             progress.close()
+            self.backend.close()  # cloud backends stop their apps and clusters' clients here too
             raise
         progress.close()
         records = read_metrics(self.run_dir / "metrics.jsonl")
