@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Run a tinker-cookbook recipe, unmodified, against `tinkerless serve` on this machine.
+#
+# The cookbook pins transformers<=5.5.4 and the tinkerless dev tools a newer one, so the
+# cookbook gets its own environment (.venv-cookbook), as a user's laptop would; the
+# server runs from .venv (run scripts/install.sh first). Usage:
+#   bash scripts/cookbook_check.sh [N_CONVERSATIONS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N="${1:-32}"
+if [ ! -x .venv-cookbook/bin/python ]; then
+  python3 -m venv .venv-cookbook
+  .venv-cookbook/bin/pip install --quiet "torch==2.13.0"
+  .venv-cookbook/bin/pip install --quiet "tinker==0.38.0" "tinker-cookbook==0.5.8"
+fi
+WORK="$(mktemp -d)"
+PORT="${PORT:-8765}"
+KEY="$(.venv/bin/tinkerless keys create --tenant cookbook --storage "$WORK/server" 2>/dev/null)"
+MODEL="$(.venv/bin/python -c 'from tinkerless.functions.models import resolve_model; print(resolve_model("smollm2"))')"
+.venv/bin/tinkerless serve --model smollm2 --storage "$WORK/server" --port "$PORT" > "$WORK/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/healthz" > /dev/null && break; sleep 1; done
+TINKER_TELEMETRY=0 TINKER_BASE_URL="http://127.0.0.1:$PORT" TINKER_API_KEY="$KEY" \
+  .venv-cookbook/bin/python examples/tinker_cookbook/sl_conversations.py "$MODEL" "$WORK/run" "$N"
+echo "cookbook run in $WORK/run (server log: $WORK/server.log)"
