@@ -268,3 +268,10 @@ def test_an_oversized_request_gets_413(tiny_model, tmp_path):
     with serve_in_thread(app) as url:
         reply = httpx.post(f"{url}/api/v1/forward_backward", content=b"x" * 5000)
     assert reply.status_code == 413 and "limit" in reply.json()["error"]
+
+
+def test_unsupported_sampling_options_and_optimizers_are_refused_clearly(service, server):
+    sampler = service.create_sampling_client(base_model=server["model"]).result()
+    with pytest.raises(tinker.TinkerError, match="not supported"):
+        sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
+                       topk_prompt_logprobs=2).result(timeout=60)

@@ -174,6 +174,9 @@ class TinkerService:
         return TrainingModel(model_id, tenant, policy, self.base_model, 0, metadata)
 
     def create_model(self, tenant: str, body: dict) -> dict:
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise UserError(f"optimizer {optimizer!r} is not supported", hint="this server trains with adamw")
         model = self._new_model(tenant, body["session_id"], body["model_seq_id"], body.get("base_model"), body.get("user_metadata"))
         lora = body.get("lora_config") or {}
         rank = int(lora.get("rank", 32))
@@ -359,6 +362,11 @@ class TinkerService:
                 )
         else:
             sampler = self._sampler_for(tenant, "direct", body.get("model_path"), body.get("base_model"))
+        unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k") if body.get(k)]
+        unsupported += [k for k in ("target_prompt_logprobs", "prompt_logprobs_last_n") if body.get(k) is not None]
+        if unsupported:
+            raise UserError(f"sampling options {unsupported} are not supported by this server",
+                            hint="ask for sampled-token logprobs and prompt_logprobs only")
         prompt = convert.model_input_tokens(body.get("prompt") or {})
         if not prompt:
             raise UserError("the prompt is empty", hint="send at least one token")
