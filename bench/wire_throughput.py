@@ -1,6 +1,6 @@
 """Wire codec throughput: msgpack encode + decode of realistic training batches.
 
-    .venv/bin/python bench/wire_throughput.py [--data 64] [--tokens 2048] [--repeats 15]
+    .venv/bin/python bench/wire_throughput.py [--data 64] [--tokens 2048] [--repeats 101]
 
 Measures `tinkerless.wire.encode_message` followed by `decode_message` on
   * an `UpdateRequest` of 64 `Datum`s × 2048 tokens (int32 tokens; float32 mask,
@@ -76,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=101)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     payloads = {

@@ -1,7 +1,10 @@
 """msgpack codec shared by every backend (local, HTTP, Modal, SkyPilot).
 
-Arrays travel as a msgpack extension: a small header (dtype, shape) followed by
-the raw buffer, so a batch of token arrays costs one memcpy each way. Torch
+A message is a small frame: a 12-byte prefix, a msgpack body, then the raw bytes
+of every array in it. In the body an array is an extension holding only its
+dtype, shape and offset; its data follows out of band, so encoding copies each
+array once (into the frame) and decoding once (out of it), however many arrays a
+batch holds. Plain msgpack (no frame, arrays inline) is still decoded. Torch
 tensors are sent as arrays. Dataclasses travel as maps tagged with their
 import path; only classes defined inside `tinkerless` are ever rebuilt, so a
 payload cannot make the receiver import arbitrary code. User code travels as
@@ -13,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import math
+import struct
 import sys
 from typing import Any
 
@@ -24,18 +29,32 @@ from tinkerless.errors import ProtocolError
 PROTOCOL_VERSION = 1
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
-_EXT_NDARRAY = 1
+_EXT_NDARRAY = 1  # inline: header + data (plain msgpack)
+_EXT_NDARRAY_OOB = 2  # out of band: header + offset into the frame's buffer section
+_FRAME_MAGIC = b"\x00TLW"  # no msgpack envelope starts with 0x00
+_FRAME_PREFIX = struct.Struct("<4sII")  # magic, body length, buffer section length
 _TYPE_TAG = "__dc__"
 _ALLOWED_PREFIX = "tinkerless."
 
 
-def _default(obj: Any) -> Any:
+_FIELDS: dict[type, tuple[str, tuple[str, ...]]] = {}  # dataclass -> (wire tag, field names)
+
+
+def _dataclass_fields(cls: type) -> tuple[str, tuple[str, ...]]:
+    cached = _FIELDS.get(cls)
+    if cached is None:
+        cached = _FIELDS[cls] = (f"{cls.__module__}:{cls.__qualname__}", tuple(f.name for f in dataclasses.fields(cls)))
+    return cached
+
+
+def _default(obj: Any, buffers: list | None = None) -> Any:
+    if isinstance(obj, np.ndarray):  # the common case first: batches are mostly arrays
+        return _pack_array(obj, buffers)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        fields[_TYPE_TAG] = f"{type(obj).__module__}:{type(obj).__qualname__}"
+        tag, names = _dataclass_fields(type(obj))
+        fields = {name: getattr(obj, name) for name in names}
+        fields[_TYPE_TAG] = tag
         return fields
-    if isinstance(obj, np.ndarray):
-        return _pack_array(obj)
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, np.generic):
@@ -43,8 +62,8 @@ def _default(obj: Any) -> Any:
     if type(obj).__module__ == "torch" and type(obj).__name__ == "Tensor":
         tensor = obj.detach().cpu()
         if not tensor.dtype.is_floating_point or tensor.dtype.itemsize >= 4 or str(tensor.dtype) == "torch.float16":
-            return _pack_array(tensor.numpy())
-        return _pack_array(tensor.float().numpy())  # bfloat16/fp8 have no numpy dtype: widen to float32
+            return _pack_array(tensor.numpy(), buffers)
+        return _pack_array(tensor.float().numpy(), buffers)  # bfloat16/fp8 have no numpy dtype: widen to float32
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
     raise ProtocolError(
@@ -53,16 +72,63 @@ def _default(obj: Any) -> Any:
     )
 
 
-def _pack_array(array: np.ndarray) -> msgpack.ExtType:
+def _pack_array(array: np.ndarray, buffers: list | None) -> msgpack.ExtType:
     if not array.flags.c_contiguous:  # (ascontiguousarray would also turn 0-d into 1-d)
         array = np.ascontiguousarray(array)
     if array.dtype.hasobject:
         raise ProtocolError("object arrays cannot be sent", hint="convert to a numeric dtype first")
-    header = msgpack.packb([array.dtype.str, list(array.shape)])
-    return msgpack.ExtType(_EXT_NDARRAY, header + array.tobytes())
+    if buffers is None:  # plain msgpack: the data inline
+        return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb([array.dtype.str, list(array.shape)]) + array.tobytes())
+    offset = sum(a.nbytes for a in buffers)
+    buffers.append(array)
+    return msgpack.ExtType(_EXT_NDARRAY_OOB, _OFFSET.pack(offset) + _array_header(array))
+
+
+_HEADERS: dict[tuple[str, int], tuple[bytes, struct.Struct]] = {}  # (dtype, ndim) -> (fixed part, shape format)
+
+
+def _array_header(array: np.ndarray) -> bytes:
+    key = (array.dtype.str, array.ndim)
+    cached = _HEADERS.get(key)
+    if cached is None:
+        dtype = array.dtype.str.encode()
+        cached = _HEADERS[key] = (struct.pack("<B", len(dtype)) + dtype + struct.pack("<B", array.ndim), struct.Struct(f"<{array.ndim}q"))
+    fixed, shape = cached
+    return fixed + shape.pack(*array.shape)
+
+
+_OFFSET = struct.Struct("<Q")
+_PARSED: dict[bytes, tuple[np.dtype, struct.Struct]] = {}  # header's dtype+ndim bytes -> parsed
+
+
+def _read_array(data: bytes, buffers: memoryview | None) -> np.ndarray:
+    """An out-of-band array: copied out of the frame so the receiver owns a writable array."""
+    if buffers is None:
+        raise ProtocolError("an out-of-band array arrived outside a frame")
+    try:
+        (offset,) = _OFFSET.unpack_from(data, 0)
+        dtype_len = data[8]
+        key = bytes(data[9 : 10 + dtype_len])  # dtype and ndim
+        parsed = _PARSED.get(key)
+        if parsed is None:
+            dtype = np.dtype(key[:-1].decode())
+            if dtype.hasobject:
+                raise ValueError("object arrays are not accepted")
+            parsed = _PARSED[key] = (dtype, struct.Struct(f"<{key[-1]}q"))
+        dtype, shape_format = parsed
+        shape = shape_format.unpack_from(data, 10 + dtype_len)
+    except (struct.error, TypeError, ValueError, IndexError) as exc:
+        raise ProtocolError(f"malformed array header on the wire ({exc})") from exc
+    count = shape[0] if len(shape) == 1 else math.prod(shape)
+    if count < 0 or offset + count * dtype.itemsize > len(buffers):
+        raise ProtocolError("malformed array on the wire: its data lies outside the message")
+    array = np.frombuffer(buffers, dtype=dtype, count=count, offset=offset)
+    return (array if len(shape) == 1 else array.reshape(shape)).copy()
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
+    if code == _EXT_NDARRAY_OOB:
+        raise ProtocolError("an out-of-band array arrived outside a frame")
     if code != _EXT_NDARRAY:
         raise ProtocolError(f"unknown msgpack extension type {code}")
     unpacker = msgpack.Unpacker()
@@ -73,10 +139,25 @@ def _ext_hook(code: int, data: bytes) -> Any:
     return np.frombuffer(data, dtype=np.dtype(dtype), offset=offset).reshape(shape).copy()
 
 
+_CLASSES: dict[str, tuple[type, frozenset[str]]] = {}  # wire tag -> (class, field names), once checked
+
+
 def _object_hook(obj: dict) -> Any:
     tag = obj.pop(_TYPE_TAG, None)
     if tag is None:
         return obj
+    cached = _CLASSES.get(tag)
+    if cached is None:
+        cached = _CLASSES[tag] = _resolve(tag)
+    cls, names = cached
+    try:
+        return cls(**{k: v for k, v in obj.items() if k in names})
+    except TypeError as exc:
+        raise ProtocolError(f"malformed {tag!r} on the wire: {exc}") from exc
+
+
+def _resolve(tag: str) -> tuple[type, frozenset[str]]:
+    """The tinkerless dataclass a wire tag names; anything else is refused."""
     module_name, _, qualname = tag.partition(":")
     if not (module_name + ".").startswith(_ALLOWED_PREFIX):
         raise ProtocolError(f"refusing to rebuild non-tinkerless type {tag!r} from the wire")
@@ -91,22 +172,55 @@ def _object_hook(obj: dict) -> Any:
         ) from exc
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__.startswith(_ALLOWED_PREFIX)):
         raise ProtocolError(f"refusing to rebuild {tag!r}: not a tinkerless wire type")
-    names = {f.name for f in dataclasses.fields(cls)}
-    try:
-        return cls(**{k: v for k, v in obj.items() if k in names})
-    except TypeError as exc:
-        raise ProtocolError(f"malformed {tag!r} on the wire: {exc}") from exc
+    return cls, frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def encode(obj: Any) -> bytes:
-    """Encode a value (dataclasses, arrays, plain data) to msgpack bytes."""
-    return msgpack.packb(obj, default=_default, use_bin_type=True)
+    """Encode a value (dataclasses, arrays, plain data) as a frame: prefix, msgpack body, array data."""
+    arrays: list[np.ndarray] = []
+    size = 0
+
+    def default(o: Any) -> Any:
+        nonlocal size
+        if type(o) is np.ndarray and o.flags.c_contiguous and not o.dtype.hasobject:  # the hot path, inlined
+            ext = msgpack.ExtType(_EXT_NDARRAY_OOB, _OFFSET.pack(size) + _array_header(o))
+            arrays.append(o)
+            size += o.nbytes
+            return ext
+        return _default(o, arrays)
+
+    body = msgpack.packb(obj, default=default, use_bin_type=True)
+    size = sum(a.nbytes for a in arrays)  # also counts arrays that took the slow path
+    prefix = _FRAME_PREFIX.pack(_FRAME_MAGIC, len(body), size)
+    # One copy of every array, straight from its memory into the frame.
+    return b"".join([prefix, body, *(memoryview(a).cast("B") if a.ndim and a.size else a.tobytes() for a in arrays)])
 
 
 def decode(data: bytes) -> Any:
-    """Decode bytes made by `encode`."""
+    """Decode bytes made by `encode` (or plain msgpack)."""
+    view = memoryview(data)
+    buffers = None
+    if data[:4] == _FRAME_MAGIC:
+        if len(data) < _FRAME_PREFIX.size:
+            raise ProtocolError("malformed message: truncated frame")
+        _, body_len, size = _FRAME_PREFIX.unpack_from(data, 0)
+        start = _FRAME_PREFIX.size + body_len
+        if start + size != len(data):
+            raise ProtocolError(
+                f"malformed message: the frame declares {start + size} bytes but {len(data)} arrived",
+                hint="the message was cut off or has trailing data; resend it",
+            )
+        buffers = view[start:]
+        view = view[_FRAME_PREFIX.size : start]
+    def ext_hook(code: int, ext: bytes) -> Any:
+        return _read_array(ext, buffers) if code == _EXT_NDARRAY_OOB else _ext_hook(code, ext)
+
     return msgpack.unpackb(
-        data, ext_hook=_ext_hook, object_hook=_object_hook, raw=False, strict_map_key=False
+        view,
+        ext_hook=ext_hook,
+        object_hook=_object_hook,
+        raw=False,
+        strict_map_key=False,
     )
 
 
