@@ -216,3 +216,15 @@ def test_run_state_dict_round_trip():
     assert RunState.from_dict({**d, "from_a_newer_version": True}) == s
     with pytest.raises(ValueError):
         RunState.from_dict({"step": 1})
+
+
+def test_two_coordinators_driving_one_run_are_caught(tmp_path):
+    from tinkerless.errors import CommitConflict
+
+    store = ObjectStore(str(tmp_path))
+    first = Coordinator.create(store, "shared", {})
+    second = Coordinator.open(store, "shared")  # a second process resumed the same run id
+    first.begin_rollout(0, ["p"])
+    with pytest.raises(CommitConflict, match="another process"):
+        second.begin_rollout(0, ["p"])  # its view of state.json is stale: refused, not overwritten
+    assert Coordinator.open(store, "shared").state.phase == first.state.phase

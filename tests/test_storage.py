@@ -139,7 +139,9 @@ def test_checkpoint_round_trip(tmp_path):
     manifest = json.loads(ckpts.store.get("runs/r1/checkpoints/step-1/manifest.json"))
     assert manifest["step"] == 1 and manifest["created_at"] > 0
     assert manifest["files"]["optimizer.pt"]["size"] == len(b"opt-state")
-    assert json.loads(ckpts.store.get("runs/r1/checkpoints/latest")) == {"step": 1}
+    pointer = json.loads(ckpts.store.get("runs/r1/checkpoints/latest"))
+    assert (pointer["step"], pointer["dir"], pointer["history"]) == (1, "step-1", [[1, "step-1"]])
+    assert pointer["writer"] == ckpts.writer
 
     ckpts.save(2, {"optimizer.pt": b"v2"})
     assert ckpts.steps() == [1, 2]
@@ -151,11 +153,16 @@ def test_checkpoint_round_trip(tmp_path):
 def test_resave_replaces_stale_files(tmp_path):
     ckpts = make_ckpts(tmp_path)
     ckpts.save(1, FILES)
-    ckpts.save(1, {"only.bin": b"x"})
-    assert ckpts.store.list(ckpts.step_prefix(1)) == [
-        "runs/r1/checkpoints/step-1/manifest.json",
-        "runs/r1/checkpoints/step-1/only.bin",
-    ]
+    where = ckpts.save(1, {"only.bin": b"x"})
+    # step-1 is claimed by the first save, so the resave writes a directory of
+    # its own: stale files can't mix with the new ones, and nothing is deleted
+    # that `latest` still points to while the resave runs.
+    assert where.startswith("runs/r1/checkpoints/step-1.") and ckpts.location(1) == where
+    assert ckpts.store.list(where) == [f"{where}/manifest.json", f"{where}/only.bin"]
+    assert ckpts.load(1).files == {"only.bin": b"x"}
+    ckpts.save(2, {"only.bin": b"y"})
+    assert ckpts.store.list(ckpts.step_prefix(1)) == []  # the superseded step-1 is pruned by the next save
+    assert ckpts.load(1).files == {"only.bin": b"x"}
 
 
 def test_save_rejects_bad_input(tmp_path):

@@ -76,6 +76,20 @@ class CorruptCheckpoint(StorageError):
     """A checkpoint failed verification against its manifest."""
 
 
+class PreconditionFailed(StorageError):
+    """A conditional write found the object in another state than the caller expected."""
+
+
+class CommitConflict(PreconditionFailed):
+    """Another writer committed to the same run while this one was writing (two writers on one run)."""
+
+    category = "user"
+
+
+class StorageConfigError(StorageError, ConfigError):
+    """The storage location cannot be used as configured: missing credentials, no such bucket, access denied."""
+
+
 class RemoteError(TinkerlessError):
     """An error reported by a remote function, re-raised on the client."""
 

@@ -20,7 +20,15 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from tinkerless.errors import BarrierTimeout, PhaseError, StorageError, StorageNotFound, UserError
+from tinkerless.errors import (
+    BarrierTimeout,
+    CommitConflict,
+    PhaseError,
+    PreconditionFailed,
+    StorageError,
+    StorageNotFound,
+    UserError,
+)
 from tinkerless.coordinator.state import (
     RUNS_PREFIX,
     STATE_FILE,
@@ -46,7 +54,10 @@ class Coordinator:
         self.key = state_key(run_id)
         # One condition guards the state; waiters on the rollout barrier sleep on it.
         self._cond = threading.Condition(threading.RLock())
-        self.state = state if state is not None else _load_state(store, run_id)
+        self._version: str | None = None  # of state.json as last read or written, for compare-and-swap
+        if state is None:
+            state, self._version = _load_state(store, run_id, with_version=True)
+        self.state = state
 
     # -- construction ----------------------------------------------------------
 
@@ -54,16 +65,20 @@ class Coordinator:
     def create(cls, store: ObjectStore, run_id: str, config: dict) -> "Coordinator":
         """Start a new run; UserError if a run with this id already exists."""
         key = state_key(run_id)
+        exists = UserError(
+            f"run {run_id!r} already exists at {store.full_url(key)}",
+            hint="resume it with Coordinator.open(store, run_id), or choose another run id",
+        )
         if store.exists(key):
-            raise UserError(
-                f"run {run_id!r} already exists at {store.full_url(key)}",
-                hint="resume it with Coordinator.open(store, run_id), or choose another run id",
-            )
+            raise exists
         _require_json(config, f"config of run {run_id!r}")
         now = time.time()
         state = RunState(run_id=run_id, config=dict(config or {}), created_at=now, updated_at=now)
         coord = cls(store, run_id, state)
-        coord._persist()
+        try:
+            coord._persist(create=True)
+        except PreconditionFailed:  # another process created it between the check and the write
+            raise exists from None
         return coord
 
     @classmethod
@@ -258,9 +273,23 @@ class Coordinator:
                 raise
             self._cond.notify_all()
 
-    def _persist(self) -> None:
+    def _persist(self, create: bool = False) -> None:
         data = json.dumps(self.state.to_dict(), indent=1, sort_keys=True).encode()
-        self.store.put(self.key, data)
+        if not self.store.supports_conditional_writes:
+            self.store.put(self.key, data)  # best effort: this store cannot detect a second coordinator
+            return
+        # Compare-and-swap on the state we last wrote or read: a second coordinator driving the
+        # same run (two processes resumed the same run id) is caught instead of overwritten.
+        match = None if create else self._version
+        try:
+            self._version = self.store.put_if(self.key, data, match=match)
+        except PreconditionFailed:
+            if create:
+                raise
+            raise CommitConflict(
+                f"the state of run {self.run_id!r} was changed by another process while this one was driving it",
+                hint="two processes are running the same run id; stop one, then resume the run from its checkpoint",
+            ) from None
 
     @staticmethod
     def _require_running(s: RunState, action: str) -> None:
@@ -297,10 +326,15 @@ def _require_json(value: object, what: str) -> None:
         ) from e
 
 
-def _load_state(store: ObjectStore, run_id: str) -> RunState:
+def _load_state(store: ObjectStore, run_id: str, with_version: bool = False):
+    """The run's state (and, with `with_version`, the version of state.json it was read at)."""
     key = state_key(run_id)
+    version = None
     try:
-        raw = store.get(key)
+        if with_version and store.supports_conditional_writes:
+            raw, version = store.get_with_version(key)
+        else:
+            raw = store.get(key)
     except StorageNotFound:
         raise UserError(
             f"run {run_id!r} does not exist at {store.full_url(key)}",
@@ -319,7 +353,7 @@ def _load_state(store: ObjectStore, run_id: str) -> RunState:
             f"state at {store.full_url(key)} belongs to run {state.run_id!r}, not {run_id!r}",
             hint="the runs directory was edited by hand; move the state back or start a new run id",
         )
-    return state
+    return (state, version) if with_version else state
 
 
 def list_runs(store: ObjectStore) -> list[RunState]:

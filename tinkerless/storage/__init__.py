@@ -1,10 +1,24 @@
 """Object storage for runs: `ObjectStore` (bytes under safe '/'-separated keys,
-over a local directory or any fsspec URL such as s3:// or gs://) and
-`CheckpointStore` (sha256-verified, crash-safe numbered checkpoints with a
-`latest` pointer, pruning and fallback past corrupt or half-written steps).
+over a local directory or any fsspec URL such as s3:// or gs://, with versioned
+reads and conditional writes) and `CheckpointStore` (sha256-verified numbered
+checkpoints committed by a compare-and-swap of a `latest` pointer, with pruning
+and fallback past corrupt or half-written steps).
 """
 
 from tinkerless.storage.checkpoint import Checkpoint, CheckpointStore
+from tinkerless.storage.errors import (
+    CommitConflict,
+    PreconditionFailed,
+    StorageConfigError,
+)
 from tinkerless.storage.store import ObjectStore, validate_key
 
-__all__ = ["Checkpoint", "CheckpointStore", "ObjectStore", "validate_key"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointStore",
+    "CommitConflict",
+    "ObjectStore",
+    "PreconditionFailed",
+    "StorageConfigError",
+    "validate_key",
+]

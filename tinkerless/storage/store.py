@@ -4,24 +4,39 @@ A store is rooted at a local directory (the default) or any fsspec URL
 (s3://bucket/prefix, gs://..., memory://...). Keys are '/'-separated paths
 relative to that root. Every key goes through `validate_key` so a caller can
 never read or write outside the root; a multi-tenant server relies on this.
+
+Besides plain put/get, a store offers versioned reads and conditional writes
+(`get_with_version`, `put_if`), the compare-and-swap that checkpoint commits
+are built on: the ETag on S3, a content hash under a file lock locally.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from tinkerless.errors import StorageError, StorageNotFound, UserError
+from tinkerless.errors import StorageError, StorageNotFound, TinkerlessError, UserError
+from tinkerless.storage import local as _local
+from tinkerless.storage.errors import PreconditionFailed
 
 logger = logging.getLogger(__name__)
 
 # Local writes go to a temp file next to the target first; a crash can leave
-# one behind, so listings skip names that carry this marker.
-_TMP_MARK = ".tinkerless-tmp-"
+# one behind, so listings skip names that carry this marker (lock files too).
+_TMP_MARK = _local.TMP_MARK
+
+# memory:// lives in this process, so a process-wide lock makes its
+# conditional writes exact.
+_MEMORY_LOCK = threading.Lock()
+
+_NOT_FOUND_HINT = "check the key and the storage URL; list what exists with ObjectStore.list(prefix)"
 
 
 def validate_key(key: str) -> str:
@@ -67,9 +82,18 @@ def _validate_prefix(prefix: str) -> str:
 
 
 class ObjectStore:
-    """Bytes stored under string keys, rooted at a local directory or fsspec URL."""
+    """Bytes stored under string keys, rooted at a local directory or fsspec URL.
 
-    def __init__(self, url: str = ".", **storage_options):
+    For s3:// URLs, `storage_options` go to s3fs (e.g. ``key=``, ``secret=``,
+    ``profile=``, ``client_kwargs={"endpoint_url": ...}``); credentials and
+    endpoints otherwise come from the standard AWS environment and ~/.aws.
+    """
+
+    def __init__(self, url: str = ".", **storage_options: Any):
+        if url.split("://", 1)[0] in ("s3", "s3a"):
+            # Listings must show other processes' writes (checkpoints from
+            # another writer, a crashed save), so don't serve them from a cache.
+            storage_options.setdefault("use_listings_cache", False)
         try:
             fs, root = fsspec.core.url_to_fs(url, **storage_options)
         except (ImportError, ValueError) as e:
@@ -80,6 +104,9 @@ class ObjectStore:
             ) from e
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
+        self._s3: Any = None
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self._is_memory = "memory" in protocols
         if self.is_local:
             root = os.path.abspath(root)
             try:
@@ -93,10 +120,19 @@ class ObjectStore:
         else:
             root = root.rstrip("/")
             self.url = fs.unstrip_protocol(root)
+            if "s3" in protocols:
+                from tinkerless.storage.s3 import S3Access
+
+                self._s3 = S3Access(fs)
         self._root = root.rstrip("/") if root != "/" else ""
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
+
+    @property
+    def supports_conditional_writes(self) -> bool:
+        """Whether `put_if` is a real compare-and-swap here (local, s3://, memory://)."""
+        return self.is_local or self._s3 is not None or self._is_memory
 
     # -- paths ---------------------------------------------------------------
 
@@ -115,94 +151,77 @@ class ObjectStore:
             return None
         return os.path.join(self._root or "/", *key.split("/"))
 
+    @contextlib.contextmanager
+    def _io(self, action: str, key: str, hint: str) -> Iterator[None]:
+        """Turn backend failures into typed errors that name the URL."""
+        try:
+            if self._s3 is not None:
+                self._s3.ensure_bucket(self._path(key))
+            yield
+        except TinkerlessError:
+            raise
+        except Exception as e:
+            url = self.full_url(key)
+            translated = self._s3.translate(e, url) if self._s3 is not None else None
+            if translated is not None:
+                raise translated from e
+            if isinstance(e, OSError):
+                raise StorageError(f"could not {action} {url}: {e}", hint=hint) from e
+            raise
+
+    def _not_found(self, key: str, e: BaseException) -> StorageNotFound:
+        if self._s3 is not None and self._s3.translate(e, self.full_url(key)) is not None:
+            raise e  # e.g. the bucket itself is gone; _io reports that instead
+        return StorageNotFound(f"no object at {self.full_url(key)}", hint=_NOT_FOUND_HINT)
+
     # -- operations ----------------------------------------------------------
 
     def put(self, key: str, data: bytes) -> None:
         """Store `data` under `key`. Local writes are atomic (temp file, fsync, rename)."""
         validate_key(key)
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise UserError(
-                f"ObjectStore.put({key!r}) needs bytes, got {type(data).__name__}",
-                hint="encode text first, e.g. json.dumps(obj).encode()",
-            )
-        try:
+        data = _require_bytes(key, data)
+        with self._io("write", key, "check that the storage location is writable and has free space"):
             if self.is_local:
-                self._put_local(key, bytes(data))
+                _local.atomic_write(self.local_path(key), data)  # type: ignore[arg-type]
             else:
                 # Object stores replace a whole object per PUT, so this is atomic there.
-                self.fs.pipe_file(self._path(key), bytes(data))
-        except OSError as e:
-            raise StorageError(
-                f"could not write {self.full_url(key)}: {e}",
-                hint="check that the storage location is writable and has free space",
-            ) from e
-
-    def _put_local(self, key: str, data: bytes) -> None:
-        target = self.local_path(key)
-        assert target is not None
-        directory = os.path.dirname(target)
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_MARK, dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync_dir(directory)
+                self.fs.pipe_file(self._path(key), data)
 
     def get(self, key: str) -> bytes:
         """Bytes stored under `key`; StorageNotFound if there are none."""
         validate_key(key)
-        try:
-            if self.is_local:
-                with open(self.local_path(key), "rb") as f:  # type: ignore[arg-type]
-                    return f.read()
-            return self.fs.cat_file(self._path(key))
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
-            raise StorageNotFound(
-                f"no object at {self.full_url(key)}",
-                hint="check the key and the storage URL; list what exists with ObjectStore.list(prefix)",
-            ) from e
-        except OSError as e:
-            raise StorageError(
-                f"could not read {self.full_url(key)}: {e}",
-                hint="check that the storage location is reachable and readable",
-            ) from e
+        with self._io("read", key, "check that the storage location is reachable and readable"):
+            try:
+                if self.is_local:
+                    with open(self.local_path(key), "rb") as f:  # type: ignore[arg-type]
+                        return f.read()
+                return self.fs.cat_file(self._path(key))
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+                raise self._not_found(key, e) from e
+        raise AssertionError("unreachable")  # _io re-raises every failure
 
     def exists(self, key: str) -> bool:
         """True if an object (a file, not a prefix) is stored under `key`."""
         validate_key(key)
-        try:
+        with self._io("check", key, "check that the storage location is reachable"):
             return bool(self.fs.isfile(self._path(key)))
-        except OSError as e:
-            raise StorageError(
-                f"could not check {self.full_url(key)}: {e}",
-                hint="check that the storage location is reachable",
-            ) from e
+        raise AssertionError("unreachable")
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys of all objects under `prefix` (a key or a directory-style prefix), sorted."""
         prefix = _validate_prefix(prefix)
-        try:
-            paths = self.fs.find(self._path(prefix))
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise StorageError(
-                f"could not list {self.full_url(prefix)}: {e}",
-                hint="check that the storage location is reachable",
-            ) from e
+        with self._io("list", prefix, "check that the storage location is reachable"):
+            try:
+                paths = self.fs.find(self._path(prefix))
+            except FileNotFoundError as e:
+                if self._s3 is not None and self._s3.translate(e, self.full_url(prefix)) is not None:
+                    raise
+                return []
         keys = []
         for p in paths:
             key = self._key_of(p)
-            if key is None or key.rsplit("/", 1)[-1].startswith(_TMP_MARK):
+            # Skip temp and lock files, also inside a hidden temp directory.
+            if key is None or any(part.startswith(_TMP_MARK) for part in key.split("/")):
                 continue
             keys.append(key)
         return sorted(keys)
@@ -223,29 +242,92 @@ class ObjectStore:
         """Delete one object or everything under a prefix. Missing keys are fine."""
         key = validate_key(key_or_prefix.rstrip("/") if key_or_prefix else key_or_prefix)
         path = self._path(key)
-        try:
-            if self.fs.isfile(path):
-                self.fs.rm_file(path)
-            elif self.fs.isdir(path):
-                self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
+        with self._io("delete", key, "check that the storage location is writable"):
+            try:
+                if self.fs.isfile(path):
+                    self.fs.rm_file(path)
+                elif self.fs.isdir(path):
+                    self.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+
+    # -- versioned reads and conditional writes -----------------------------
+
+    def get_with_version(self, key: str) -> tuple[bytes, str]:
+        """Bytes under `key` and an opaque version for `put_if(match=...)`; StorageNotFound if absent.
+
+        The version is the ETag on S3 and a sha256 of the content elsewhere;
+        both come from the same read, so they always belong together."""
+        validate_key(key)
+        with self._io("read", key, "check that the storage location is reachable and readable"):
+            if self._s3 is not None:
+                return self._s3.get_with_version(self._path(key), self.full_url(key))
+            if self.is_local:
+                found = _local.read_version(self.local_path(key))  # type: ignore[arg-type]
+                if found is None:
+                    raise StorageNotFound(f"no object at {self.full_url(key)}", hint=_NOT_FOUND_HINT)
+                return found
+            with _MEMORY_LOCK if self._is_memory else contextlib.nullcontext():
+                try:
+                    data = self.fs.cat_file(self._path(key))
+                except FileNotFoundError as e:
+                    raise self._not_found(key, e) from e
+            return data, _local.content_version(data)
+        raise AssertionError("unreachable")
+
+    def put_if(self, key: str, data: bytes, *, match: str | None) -> str:
+        """Write `data` only if `key` is still at version `match` (None: only if `key` does not exist).
+
+        Returns the new version; raises PreconditionFailed, and writes nothing,
+        if another writer got there first. S3 checks the condition server-side
+        (If-Match / If-None-Match); locally it is checked under an exclusive lock."""
+        validate_key(key)
+        data = _require_bytes(key, data)
+        self._require_conditional(key)
+        with self._io("write", key, "check that the storage location is writable and has free space"):
+            if self._s3 is not None:
+                return self._s3.put_if(self._path(key), data, match, self.full_url(key))
+            if self.is_local:
+                target = self.local_path(key)
+                assert target is not None
+                with _local.exclusive(target):
+                    current = _local.read_version(target)
+                    self._check_precondition(key, None if current is None else current[1], match)
+                    _local.atomic_write(target, data)
+                return _local.content_version(data)
+            with _MEMORY_LOCK:
+                try:
+                    current_version: str | None = _local.content_version(self.fs.cat_file(self._path(key)))
+                except FileNotFoundError:
+                    current_version = None
+                self._check_precondition(key, current_version, match)
+                self.fs.pipe_file(self._path(key), data)
+            return _local.content_version(data)
+        raise AssertionError("unreachable")
+
+    def _check_precondition(self, key: str, current: str | None, match: str | None) -> None:
+        if current == match:
+            return
+        expected = "not to exist" if match is None else f"to have version {match}"
+        found = "it does not exist" if current is None else f"it has version {current}"
+        raise PreconditionFailed(
+            f"conditional write to {self.full_url(key)} refused: it was expected {expected}, but {found}",
+            hint="read it again (get_with_version) and retry, or stop the other writer",
+        )
+
+    def _require_conditional(self, key: str) -> None:
+        if not self.supports_conditional_writes:
             raise StorageError(
-                f"could not delete {self.full_url(key)}: {e}",
-                hint="check that the storage location is writable",
-            ) from e
+                f"conditional writes are not supported for {self.full_url(key)} "
+                f"(protocol {self.fs.protocol!r})",
+                hint="use a local directory, s3:// (including S3-compatible stores) or memory://",
+            )
 
 
-def _fsync_dir(directory: str) -> None:
-    # Make the rename itself durable; not supported on every platform/filesystem.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _require_bytes(key: str, data: object) -> bytes:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise UserError(
+            f"ObjectStore write of {key!r} needs bytes, got {type(data).__name__}",
+            hint="encode text first, e.g. json.dumps(obj).encode()",
+        )
+    return bytes(data)
