@@ -54,11 +54,20 @@ def _run_summary(storage, run_id) -> dict:
     return Coordinator.open(ObjectStore(str(storage)), run_id).state.summary
 
 
+def _check_last_line_total(last: dict, usage: dict) -> None:
+    """Only the final checkpoint, written after the last metrics line, separates its total from the run's."""
+    after_last_line = usage["gpu_seconds_total"] - last["gpu_s/total"]
+    assert 0 < after_last_line <= usage["gpu_seconds"]["storage"] + 1e-9
+
+
 def _check_step_columns(records: list[dict], price_per_hour: float) -> None:
     previous_total = 0.0
     for record in records:
         assert record["trained_sequences"] > 0, record  # the setup of these runs: every step updates
         for phase in STEP_PHASES:
+            # A step's checkpoint is written after its metrics line, so its storage time shows in the next line.
+            if phase == "storage" and record["step"] == records[0]["step"]:
+                continue
             assert record[f"gpu_s/{phase}"] > 0, (phase, record)
             # compute measured where it ran fits inside the client's wall time of the phase
             assert record[f"gpu_s/{phase}"] <= record[f"{phase}_s"] + 1e-6
@@ -184,7 +193,7 @@ def test_local_run_records_seconds_per_phase_and_function(local_run):
     calls = {"create_policy": 1, "rollout": 2, "forward": 2, "update": 2, "save_state": 2}
     _check_summary(usage, device="cpu", price_per_hour=7.2, calls=calls)
     assert usage["measured_by"] == "the in-process worker" and usage["client_timed_calls"] == 0
-    assert records[-1]["gpu_s/total"] == pytest.approx(usage["gpu_seconds_total"])  # nothing ran after the last step
+    _check_last_line_total(records[-1], usage)
     # the meter of the (fresh) backend saw exactly this run's calls
     assert backend.usage.seconds() == pytest.approx({m: f["seconds"] for m, f in usage["by_function"].items()})
 
@@ -230,7 +239,8 @@ def test_resumed_run_adds_to_the_earlier_usage(local_run, tiny_model, capsys):
     assert usage["by_function"]["load_state"]["calls"] == 1 and usage["by_function"]["rollout"]["calls"] == 3
     assert _run_summary(storage, "acct-local")["usage"] == usage
     last = read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
-    assert last["step"] == 2 and last["gpu_s/total"] == pytest.approx(usage["gpu_seconds_total"])
+    assert last["step"] == 2
+    _check_last_line_total(last, usage)
 
 
 # ---- a real run over HTTP: the server's seconds are what is billed ---------------------------------
@@ -262,7 +272,7 @@ def test_http_run_bills_the_seconds_the_server_reports(tiny_model, tmp_path):
     )
     records = read_metrics(result.run_dir / "metrics.jsonl")
     _check_step_columns(records, price_per_hour=0.0)
-    assert records[-1]["gpu_s/total"] == pytest.approx(usage["gpu_seconds_total"])
+    _check_last_line_total(records[-1], usage)
 
 
 def test_reply_without_the_header_is_billed_at_client_wall_time(tiny_model):

@@ -150,9 +150,6 @@ class RunUsage:
             self.phases[name] += seconds
             self.step_phases[name] += seconds
 
-    def begin_step(self) -> None:
-        self.step_phases = dict.fromkeys(PHASES, 0.0)
-
     def total_seconds(self) -> float:
         return sum(self.phases.values()) + float(self.prior.get("gpu_seconds_total", 0.0))
 
@@ -169,11 +166,15 @@ class RunUsage:
         return None if cost is None else cost + (prior_cost or 0.0)
 
     def step_columns(self) -> dict[str, float | None]:
-        """Metrics columns: this step's seconds per phase, and the run's cumulative seconds and cost."""
+        """Metrics columns: seconds per phase since the last line, and the run's cumulative seconds and cost.
+
+        Each call starts the next line's count, so work done between two lines (a step's
+        checkpoint, written after its line) lands in the next one."""
         columns: dict[str, float | None] = {f"gpu_s/{p}": self.step_phases[p] for p in PHASES if p != "setup"}
-        columns["gpu_s/step"] = sum(self.step_phases.values())
+        columns["gpu_s/step"] = sum(v for p, v in self.step_phases.items() if p != "setup")
         columns["gpu_s/total"] = self.total_seconds()
         columns["cost_usd"] = self.cost_usd()
+        self.step_phases = dict.fromkeys(PHASES, 0.0)
         return columns
 
     def summary(self) -> dict:

@@ -229,7 +229,6 @@ class _Run:
     def _train_step(self) -> tuple[dict, dict[str, int]]:
         config, step = self.config, self.step
         timings = {"rollout_s": 0.0, "forward_s": 0.0, "update_s": 0.0, "storage_s": 0.0}
-        self.usage.begin_step()
         started = time.perf_counter()
         with self.usage.phase("rollout"):
             self.coordinator.begin_rollout(step, participants=self.policies)
