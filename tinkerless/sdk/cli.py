@@ -89,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model", default="smollm2")
-    serve.add_argument("--storage", default=".", help="where API keys (and later runs) live")
+    serve.add_argument("--storage", default=".", help="where API keys and Tinker checkpoints live (a directory or fsspec URL)")
+    serve.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024, help="larger requests get HTTP 413")
+    serve.add_argument("--max-pending", type=int, default=1024, help="queued calls before HTTP 429")
     serve.add_argument("--no-auth", action="store_true", help="accept calls without an API key (trusted networks only)")
     serve.add_argument(
         "--api-key-env",
@@ -168,7 +170,10 @@ def _serve(args) -> int:
                 hint=f"export {args.api_key_env}=<key> (e.g. from `tinkerless keys create`) before starting the server",
             )
         extra_keys = {key: "default"}
-    serve(args.host, args.port, model=args.model, storage=args.storage, auth=not args.no_auth, extra_keys=extra_keys)
+    serve(
+        args.host, args.port, model=args.model, storage=args.storage, auth=not args.no_auth, extra_keys=extra_keys,
+        max_request_bytes=args.max_request_bytes, max_pending=args.max_pending,
+    )
     return 0
 
 

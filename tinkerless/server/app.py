@@ -292,6 +292,7 @@ def serve(
     auth: bool = True,
     extra_keys: dict[str, str] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_pending: int = 1024,
     log_level: str = "info",
     **worker_options: Any,
 ) -> None:
@@ -305,7 +306,13 @@ def serve(
     from tinkerless.storage import ObjectStore
 
     keys = KeyStore(ObjectStore(storage or "."), extra_keys=extra_keys) if auth else None
-    app = create_app(Worker(model, **worker_options), max_request_bytes=max_request_bytes, keys=keys, storage=storage or ".")
+    app = create_app(
+        Worker(model, **worker_options),
+        max_request_bytes=max_request_bytes,
+        max_pending=max_pending,
+        keys=keys,
+        storage=storage or ".",
+    )
     app.state.storage = storage
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 

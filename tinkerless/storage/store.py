@@ -94,6 +94,10 @@ class ObjectStore:
             # Listings must show other processes' writes (checkpoints from
             # another writer, a crashed save), so don't serve them from a cache.
             storage_options.setdefault("use_listings_cache", False)
+            # fsspec reuses filesystem instances with equal arguments, but s3fs reads the endpoint
+            # and credentials from the environment when the instance is made: a cached one could
+            # still talk to an endpoint the environment has since moved away from.
+            storage_options.setdefault("skip_instance_cache", True)
         try:
             fs, root = fsspec.core.url_to_fs(url, **storage_options)
         except (ImportError, ValueError) as e:
