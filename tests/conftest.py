@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +27,28 @@ def worker(tiny_model):
     from tinkerless.functions.worker import Worker
 
     return Worker(tiny_model)
+
+
+def write_resumable_example(path: Path, model: str, steps: int) -> Path:
+    """A config file for kill-and-resume tests: checkpoints every step, each step slow enough to be killed inside."""
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            import time
+            import tinkerless
+
+            @tinkerless.reward
+            def vowels(completion, task):
+                time.sleep(0.03)  # keeps each step long enough to be killed inside it
+                return sum(c in "aeiou" for c in completion) / max(len(completion), 1)
+
+            config = tinkerless.TrainConfig(
+                name="resumable", model={model!r}, reward=vowels,
+                tasks=lambda rng: {{"prompt": "say " + str(rng.randint(0, 99))}},
+                steps={steps}, batch_size=2, group_size=4, max_tokens=8, temperature=1.0,
+                learning_rate=1e-2, checkpoint_every=1, keep_checkpoints=None, seed=7,
+            )
+            """
+        )
+    )
+    return path

@@ -8,11 +8,11 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from conftest import write_resumable_example
 from safetensors.torch import load as load_safetensors
 
 STEPS = 10
@@ -21,29 +21,7 @@ CLI = [sys.executable, "-m", "tinkerless.sdk.cli"]
 
 @pytest.fixture()
 def example(tmp_path, tiny_model) -> Path:
-    path = tmp_path / "resumable.py"
-    path.write_text(
-        textwrap.dedent(
-            f"""
-            import tinkerless
-
-            import time
-
-            @tinkerless.reward
-            def vowels(completion, task):
-                time.sleep(0.03)  # keeps each step long enough to be killed inside it
-                return sum(c in "aeiou" for c in completion) / max(len(completion), 1)
-
-            config = tinkerless.TrainConfig(
-                name="resumable", model={tiny_model!r}, reward=vowels,
-                tasks=lambda rng: {{"prompt": "say " + str(rng.randint(0, 99))}},
-                steps={STEPS}, batch_size=2, group_size=4, max_tokens=8, temperature=1.0,
-                learning_rate=1e-2, checkpoint_every=1, keep_checkpoints=None, seed=7,
-            )
-            """
-        )
-    )
-    return path
+    return write_resumable_example(tmp_path / "resumable.py", tiny_model, STEPS)
 
 
 def _train(example: Path, storage: Path, *extra: str, wait: bool = True) -> subprocess.Popen:

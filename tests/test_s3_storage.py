@@ -508,3 +508,17 @@ def test_train_and_resume_on_s3(s3_env, bucket, tiny_model, tmp_path, monkeypatc
     assert state.run_id == "s3-train" and state.status == "finished" and state.step == 3
     assert [r["step"] for r in resumed.metrics] == [0, 1, 2]
     assert ObjectStore(storage).list("runs/s3-train")[-1] == "runs/s3-train/state.json"
+
+
+def test_train_with_storage_options_naming_the_endpoint(s3_env, bucket, moto, tiny_model, tmp_path, monkeypatch):
+    """An S3-compatible endpoint given in TrainConfig.storage_options, not the environment; kept out of run state."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    options = {"client_kwargs": {"endpoint_url": moto.endpoint}}
+    result = tinkerless.train(
+        model=tiny_model, reward=vowel_reward, tasks=lambda rng: {"prompt": "say 1"}, storage=f"s3://{bucket}/opts",
+        storage_options=options, run_id="opts", steps=1, batch_size=2, group_size=2, max_tokens=4, progress=False,
+    )
+    assert result.last_checkpoint_step == 1
+    (state,) = list_runs(ObjectStore(f"s3://{bucket}/opts", **options))
+    assert state.status == "finished" and "storage_options" not in state.config

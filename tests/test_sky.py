@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Iterator
 from itertools import count
@@ -20,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import write_resumable_example
 import yaml
 
 import tinkerless
@@ -427,28 +427,7 @@ STEPS = 8
 
 @pytest.fixture()
 def resumable(tmp_path, tiny_model) -> Path:
-    path = tmp_path / "resumable.py"
-    path.write_text(
-        textwrap.dedent(
-            f"""
-            import time
-            import tinkerless
-
-            @tinkerless.reward
-            def vowels(completion, task):
-                time.sleep(0.03)  # keeps each step long enough to be killed inside it
-                return sum(c in "aeiou" for c in completion) / max(len(completion), 1)
-
-            config = tinkerless.TrainConfig(
-                name="resumable", model={tiny_model!r}, reward=vowels,
-                tasks=lambda rng: {{"prompt": "say " + str(rng.randint(0, 99))}},
-                steps={STEPS}, batch_size=2, group_size=4, max_tokens=8, temperature=1.0,
-                learning_rate=1e-2, checkpoint_every=1, keep_checkpoints=None, seed=7,
-            )
-            """
-        )
-    )
-    return path
+    return write_resumable_example(tmp_path / "resumable.py", tiny_model, STEPS)
 
 
 TASK_ID = "sky-managed-2026-01-01-00-00-00-000001_tl-arith_1-0"  # SkyPilot's format; the same after a recovery

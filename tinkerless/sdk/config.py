@@ -60,6 +60,9 @@ class TrainConfig:
     backend: str = "local"
     engine: str = "auto"  # auto | transformers | vllm (auto picks vLLM when it and a GPU are present)
     storage: str = "."
+    # fsspec options for `storage`, e.g. {"client_kwargs": {"endpoint_url": "https://<acct>.r2.cloudflarestorage.com"}};
+    # kept out of the saved run state, since they may hold credentials.
+    storage_options: dict | None = None
     run_id: str | None = None
     resume: bool = False
     checkpoint_every: int = 5
@@ -145,5 +148,7 @@ class TrainConfig:
                 value = getattr(value, "__qualname__", type(value).__name__)
             if f.name == "agents" and value is not None:
                 value = repr(value)
+            if f.name == "storage_options":
+                continue
             out[f.name] = value
         return out

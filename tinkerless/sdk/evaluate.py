@@ -50,7 +50,7 @@ def load_policy_state(config: TrainConfig, *, run_id: str | None, step: int | No
         return PolicyState("default", adapter_files(adapter))
     if run_id is None:
         return None
-    checkpoints = CheckpointStore(ObjectStore(config.storage), checkpoint_prefix(run_id))
+    checkpoints = CheckpointStore(ObjectStore(config.storage, **(config.storage_options or {})), checkpoint_prefix(run_id))
     checkpoint = checkpoints.load(step) if step is not None else checkpoints.load_latest()
     if checkpoint is None:
         raise UserError(f"run {run_id!r} has no valid checkpoint in {config.storage}", hint="see `tinkerless runs`")

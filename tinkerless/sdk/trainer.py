@@ -90,7 +90,7 @@ class _Run:
         self.policies = trainable_policies(config.agents) if self.multi_agent else ["default"]
         self.seats = build_seats(config.agents) if self.multi_agent else []
         self.events: list[tuple[int, str, str]] = []  # (step, event, policy): the barrier's observable order
-        self.store = ObjectStore(config.storage)
+        self.store = ObjectStore(config.storage, **(config.storage_options or {}))
         self.coordinator, start = self._open_run()
         self.run_id = self.coordinator.run_id
         self.checkpoints = CheckpointStore(self.store, checkpoint_prefix(self.run_id), keep_last=config.keep_checkpoints)

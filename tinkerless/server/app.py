@@ -160,7 +160,7 @@ def create_app(
         store = ObjectStore(storage or tempfile.mkdtemp(prefix="tinkerless-serve-"))
         aliases = {resolve_model(worker.model_name)}
         app.state.tinker = tinker.mount(app, worker, scheduler, store, tenant_of,
-                                        max_request_bytes=max_request_bytes, aliases=aliases)
+                                        max_request_bytes=max_request_bytes, aliases=aliases, stats=stats)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -11,11 +11,13 @@ from tinkerless.server.tinker_api.checkpoints import CheckpointRegistry, TinkerP
 from tinkerless.server.tinker_api.service import TinkerService
 
 
-def mount(app, worker, scheduler, store, tenant_of, *, max_request_bytes: int, aliases: set[str] | None = None) -> TinkerService:
+def mount(
+    app, worker, scheduler, store, tenant_of, *, max_request_bytes: int, aliases: set[str] | None = None, stats=None
+) -> TinkerService:
     from tinkerless.server.tinker_api.routes import make_router
 
     service = TinkerService(worker, scheduler, CheckpointRegistry(store), aliases=aliases or set())
-    app.include_router(make_router(service, tenant_of, max_request_bytes))
+    app.include_router(make_router(service, tenant_of, max_request_bytes, stats))
     return service
 
 

@@ -44,10 +44,17 @@ def _failure(exc: BaseException) -> dict:
 
 
 def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats=None) -> APIRouter:
-    """`tenant_of(request)` gives the caller's tenant ("" without auth) or None for a bad key."""
+    """`tenant_of(request)` gives the caller's tenant ("" without auth) or None for a bad key.
+    With `stats` (the server's `ServerStats`), every answer is counted in `/metrics`."""
     router = APIRouter(prefix="/api/v1")
 
     async def call(request: Request, handler, *, raw: bool = False) -> Response:
+        response = await _answer(request, handler, raw=raw)
+        if stats is not None:
+            stats.count("tinker:" + request.url.path.rsplit("/api/v1/", 1)[-1].split("/")[0], response.status_code)
+        return response
+
+    async def _answer(request: Request, handler, *, raw: bool = False) -> Response:
         tenant = tenant_of(request)
         if tenant is None:
             return _error(401, "missing or invalid API key",
