@@ -1,6 +1,9 @@
-"""The tinkerless HTTP server: the worker's msgpack API over `POST /v1/call/{method}`.
+"""`tinkerless serve`: one model, many tenants, two APIs over HTTP.
 
-- `create_app` / `serve` / `serve_in_thread`: the FastAPI app, run by uvicorn;
+- `create_app` / `serve` / `serve_in_thread`: the FastAPI app, run by uvicorn. It speaks the
+  worker's msgpack API (`POST /v1/call/{method}`) and the Tinker API (`/api/v1/...`,
+  `tinker_api`) for the official `tinker` SDK;
+- `scheduler.Scheduler`: one model, calls in each client's sequence order, tenants in turn, 429 when full;
 - `keys.KeyStore`: API keys, stored hashed; `tenancy`: per-tenant scoping of policy names.
 FastAPI and uvicorn load only when this package is imported (extra `serve`).
 """
