@@ -248,7 +248,7 @@ def test_installed_requirements_follow_the_extras():
     base = modal_app.installed_requirements(())
     assert any(r.startswith("torch") for r in base) and not any(r.startswith("s3fs") for r in base)
     with_s3 = modal_app.installed_requirements(("s3",))
-    assert "s3fs" in with_s3 and set(base) < set(with_s3) and not any(r.startswith("vllm") for r in with_s3)
+    assert any(r.startswith("s3fs") for r in with_s3) and set(base) < set(with_s3) and not any(r.startswith("vllm") for r in with_s3)
     assert not any(";" in r for r in with_s3)  # markers are resolved here, not shipped
 
 
