@@ -19,7 +19,7 @@ import numpy as np
 
 from tinkerless.errors import UserError
 from tinkerless.functions.losses import LossConfig
-from tinkerless.wire.messages import Datum
+from tinkerless.wire.messages import Datum, SamplingParams
 
 # Tinker losses are sums over tokens; thresholds are absolute ratio bounds.
 _DEFAULT_THRESHOLDS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
@@ -167,3 +167,61 @@ def model_input_tokens(model_input: dict) -> list[int]:
             raise UserError(f"{chunk.get('type')} prompt chunks are not supported", hint="send token chunks only")
         tokens.extend(int(t) for t in chunk.get("tokens", []))
     return tokens
+
+
+def lora_target_modules(lora: dict) -> str | list[str]:
+    attn, mlp = lora.get("train_attn", True), lora.get("train_mlp", True)
+    if attn and mlp:
+        return "all-linear"
+    if not attn and not mlp:
+        raise UserError("lora_config trains neither attention nor MLP", hint="set train_attn or train_mlp")
+    return ["q_proj", "k_proj", "v_proj", "o_proj"] if attn else ["gate_proj", "up_proj", "down_proj"]
+
+
+def tinker_metrics(metrics: dict[str, float], num_datums: int) -> dict[str, float]:
+    """tinkerless metric names -> Tinker's `name:reduction` keys (the SDK rejects any other shape)."""
+    out = {"loss:sum": float(metrics.get("loss", 0.0))}
+    for key, value in metrics.items():
+        if key == "loss":
+            continue
+        out[f"{key.replace(':', '_')}:{'sum' if key == 'tokens' else 'mean'}"] = float(value)
+    out["num_datums:sum"] = float(num_datums)
+    return out
+
+
+def sampling_params(params: dict, worker) -> tuple[SamplingParams, list[str]]:
+    max_tokens = params.get("max_tokens")
+    max_tokens = int(max_tokens) if max_tokens is not None else 256
+    if not 0 <= max_tokens <= 32768:
+        raise UserError(f"max_tokens={max_tokens} is out of range")
+    stop = params.get("stop")
+    stop_ids: list[int] | None = None
+    stop_strings: list[str] = []
+    if stop is not None:
+        items = [stop] if isinstance(stop, str) else list(stop)
+        stop_ids = [int(s) for s in items if isinstance(s, int)]
+        stop_strings = [s for s in items if isinstance(s, str)]
+        if stop_strings:
+            stop_ids = list(worker.chat.eos_token_ids) + stop_ids  # strings keep the implicit end of turn
+    top_k = int(params.get("top_k", -1))
+    return (
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(params.get("temperature", 1.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=top_k if top_k > 0 else 0,
+            stop_token_ids=stop_ids,
+        ),
+        stop_strings,
+    )
+
+
+def apply_stop_strings(generation, stop_strings: list[str], tokenizer) -> tuple[list[int], list[float], str]:
+    """Cut a generation after the first token that completes a stop string."""
+    tokens, logprobs, reason = list(generation.tokens), list(generation.logprobs), generation.stop_reason
+    if stop_strings:
+        for end in range(1, len(tokens) + 1):
+            text = tokenizer.decode(tokens[:end])
+            if any(s in text for s in stop_strings):
+                return tokens[:end], logprobs[:end], "stop"
+    return tokens, logprobs, reason

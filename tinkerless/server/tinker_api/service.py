@@ -39,7 +39,6 @@ from tinkerless.wire.messages import (
     LoraConfig,
     OptimStepRequest,
     PolicyState,
-    SamplingParams,
     SaveStateRequest,
 )
 
@@ -183,7 +182,7 @@ class TinkerService:
         if not 1 <= rank <= 256:
             raise UserError(f"lora rank {rank} is out of range", hint="use a rank between 1 and 256")
         model.lora_rank = rank
-        targets = _target_modules(lora)
+        targets = convert.lora_target_modules(lora)
         seed = lora.get("seed")
         config = LoraConfig(rank=rank, alpha=32, target_modules=targets, seed=int(seed) if seed is not None else 0)
 
@@ -228,7 +227,7 @@ class TinkerService:
             else:
                 result = self.worker.forward_backward(ForwardBackwardRequest(model.policy, data, loss))
                 metrics, logprobs = result.metrics, result.logprobs
-            return Proto(convert.forward_backward_output([lp[1:] for lp in logprobs], _tinker_metrics(metrics, len(data))))
+            return Proto(convert.forward_backward_output([lp[1:] for lp in logprobs], convert.tinker_metrics(metrics, len(data))))
 
         return self.submit(tenant, run, stream=model.model_id, seq=seq_id, model_id=model.model_id)
 
@@ -374,7 +373,7 @@ class TinkerService:
         if not 1 <= num_samples <= 1024:
             raise UserError(f"num_samples={num_samples} is out of range (1-1024)")
         params = body.get("sampling_params") or {}
-        sampling, stop_strings = _sampling_params(params, self.worker)
+        sampling, stop_strings = convert.sampling_params(params, self.worker)
         seed = params.get("seed")
         seed = int(seed) if seed is not None else secrets.randbelow(2**31)
         want_prompt_logprobs = bool(body.get("prompt_logprobs"))
@@ -383,7 +382,7 @@ class TinkerService:
         def run() -> Proto:
             policy = self._sampling_policy(sampler)
             generations = self.worker.engine.generate([prompt] * num_samples, sampling, policy=policy, seed=seed)
-            sequences = [_apply_stop_strings(g, stop_strings, self.worker.tokenizer) for g in generations]
+            sequences = [convert.apply_stop_strings(g, stop_strings, self.worker.tokenizer) for g in generations]
             prompt_logprobs = None
             if want_prompt_logprobs:
                 datum = Datum(np.asarray(prompt, np.int32), np.concatenate([[0.0], np.ones(len(prompt) - 1)]).astype(np.float32))
@@ -452,26 +451,6 @@ def _public(meta: dict) -> dict:
     return {**{k: meta[k] for k in keys}, "public": False, "user_metadata": meta.get("user_metadata")}
 
 
-def _target_modules(lora: dict) -> str | list[str]:
-    attn, mlp = lora.get("train_attn", True), lora.get("train_mlp", True)
-    if attn and mlp:
-        return "all-linear"
-    if not attn and not mlp:
-        raise UserError("lora_config trains neither attention nor MLP", hint="set train_attn or train_mlp")
-    return ["q_proj", "k_proj", "v_proj", "o_proj"] if attn else ["gate_proj", "up_proj", "down_proj"]
-
-
-def _tinker_metrics(metrics: dict[str, float], num_datums: int) -> dict[str, float]:
-    """tinkerless metric names -> Tinker's `name:reduction` keys (the SDK rejects any other shape)."""
-    out = {"loss:sum": float(metrics.get("loss", 0.0))}
-    for key, value in metrics.items():
-        if key == "loss":
-            continue
-        out[f"{key.replace(':', '_')}:{'sum' if key == 'tokens' else 'mean'}"] = float(value)
-    out["num_datums:sum"] = float(num_datums)
-    return out
-
-
 def _loss_value(loss, data: list[Datum], logprobs: list[np.ndarray]) -> float:
     """The loss a forward_backward would report, for forward-only calls (no graph, no gradient)."""
     import torch
@@ -487,41 +466,3 @@ def _loss_value(loss, data: list[Datum], logprobs: list[np.ndarray]) -> float:
                                 sampler_logprobs=row(datum.sampler_logprobs))
         total += float(value)
     return total
-
-
-def _sampling_params(params: dict, worker) -> tuple[SamplingParams, list[str]]:
-    max_tokens = params.get("max_tokens")
-    max_tokens = int(max_tokens) if max_tokens is not None else 256
-    if not 0 <= max_tokens <= 32768:
-        raise UserError(f"max_tokens={max_tokens} is out of range")
-    stop = params.get("stop")
-    stop_ids: list[int] | None = None
-    stop_strings: list[str] = []
-    if stop is not None:
-        items = [stop] if isinstance(stop, str) else list(stop)
-        stop_ids = [int(s) for s in items if isinstance(s, int)]
-        stop_strings = [s for s in items if isinstance(s, str)]
-        if stop_strings:
-            stop_ids = list(worker.chat.eos_token_ids) + stop_ids  # strings keep the implicit end of turn
-    top_k = int(params.get("top_k", -1))
-    return (
-        SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(params.get("temperature", 1.0)),
-            top_p=float(params.get("top_p", 1.0)),
-            top_k=top_k if top_k > 0 else 0,
-            stop_token_ids=stop_ids,
-        ),
-        stop_strings,
-    )
-
-
-def _apply_stop_strings(generation, stop_strings: list[str], tokenizer) -> tuple[list[int], list[float], str]:
-    """Cut a generation after the first token that completes a stop string."""
-    tokens, logprobs, reason = list(generation.tokens), list(generation.logprobs), generation.stop_reason
-    if stop_strings:
-        for end in range(1, len(tokens) + 1):
-            text = tokenizer.decode(tokens[:end])
-            if any(s in text for s in stop_strings):
-                return tokens[:end], logprobs[:end], "stop"
-    return tokens, logprobs, reason
