@@ -22,7 +22,7 @@ from tinkerless.functions.models import build_tiny_model  # noqa: E402
 from tinkerless.functions.worker import Worker  # noqa: E402
 from tinkerless.server import create_app, serve_in_thread  # noqa: E402
 from tinkerless.server.keys import KeyStore  # noqa: E402
-from tinkerless.storage import ObjectStore  # noqa: E402
+from tinkerless.storage import CheckpointStore, ObjectStore  # noqa: E402
 
 os.environ["TINKER_TELEMETRY"] = "0"
 
@@ -275,3 +275,23 @@ def test_unsupported_sampling_options_and_optimizers_are_refused_clearly(service
     with pytest.raises(tinker.TinkerError, match="not supported"):
         sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
                        topk_prompt_logprobs=2).result(timeout=60)
+
+
+def test_saving_over_a_name_replaces_it_and_a_corrupt_checkpoint_is_refused(service, server):
+    training = service.create_lora_training_client(base_model=server["model"], rank=4).result()
+    first = training.save_state("again").result().path
+    training.forward_backward(SFT_DATA, "cross_entropy")
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert training.save_state("again").result().path == first  # the same name, now the newer weights
+    probe = [sequence_datum([30, 31, 32, 33], [1, 1, 1])]
+    expected = training.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    restored = service.create_training_client_from_state(first).result()
+    np.testing.assert_array_equal(restored.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy(), expected)
+    # Damage the stored adapter: loading it is refused by its checksum, not silently used.
+    store = ObjectStore(str(server["root"]))
+    run_dir = first.split("/")[2].replace(":", "%3A")
+    committed = CheckpointStore(store, f"tenants/alice/tinker/runs/{run_dir}/weights/again").location(1)
+    (adapter,) = [k for k in store.list(committed) if k.endswith(".safetensors")]
+    store.put(adapter, b"not an adapter")
+    with pytest.raises(tinker.TinkerError, match="does not match its manifest"):
+        service.create_training_client_from_state(first).result()

@@ -318,7 +318,12 @@ class CheckpointStore:
             hint="pick one of the available steps, or use load_latest()",
         )
 
-    def _load_dir(self, step: int, name: str) -> Checkpoint:
+    def manifest(self, step: int) -> dict:
+        """The committed manifest of `step` (files with sizes and hashes, metadata), without reading the files."""
+        step = check_step(step)
+        return self._read_manifest(step, self._resolve(step, self._read_pointer(quiet=True)[0]))
+
+    def _read_manifest(self, step: int, name: str) -> dict:
         base = f"{self.prefix}/{name}"
         where = self.store.full_url(base)
         try:
@@ -334,7 +339,12 @@ class CheckpointStore:
                 f"no checkpoint for step {step} at {where}; available steps: {self.steps()}",
                 hint="pick one of the available steps, or use load_latest()",
             ) from None
-        manifest = parse_manifest(raw, step, where)
+        return parse_manifest(raw, step, where)
+
+    def _load_dir(self, step: int, name: str) -> Checkpoint:
+        base = f"{self.prefix}/{name}"
+        where = self.store.full_url(base)
+        manifest = self._read_manifest(step, name)
         files: dict[str, bytes] = {}
         for file_name, entry in manifest["files"].items():
             try:

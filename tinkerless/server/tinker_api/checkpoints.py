@@ -4,28 +4,30 @@ Layout (every key under the tenant's own prefix, so no name a tenant sends can
 reach another tenant's files; `validate_key` rejects traversal on top of that):
 
     tenants/<tenant>/tinker/runs/<run>/run.json
-    tenants/<tenant>/tinker/runs/<run>/<kind>/<name>/<files...>
-    tenants/<tenant>/tinker/runs/<run>/<kind>/<name>/meta.json   written last: sha256 of every file
+    tenants/<tenant>/tinker/runs/<run>/<kind>/<name>/...   a `CheckpointStore` holding one checkpoint
 
 `<run>` is the run id with its ':' made path-safe; `<kind>` is `weights`
-(adapter + optimizer) or `sampler_weights` (adapter only).
+(adapter + optimizer) or `sampler_weights` (adapter only). Each named checkpoint is
+the storage layer's verified checkpoint (files, then a sha256 manifest, then `latest`
+by compare-and-swap), so saving over a name replaces it atomically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
-import hashlib
 import json
 import re
 import urllib.parse
 from dataclasses import dataclass
 
-from tinkerless.errors import CorruptCheckpoint, StorageNotFound, UserError
-from tinkerless.storage import ObjectStore
+from tinkerless.errors import StorageNotFound, UserError
+from tinkerless.storage import CheckpointStore, ObjectStore
+from tinkerless.storage.layout import LATEST
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-META = "meta.json"
+_STEP = 1  # a named checkpoint is a one-step CheckpointStore; saving again replaces that step
 
 
 def now_iso() -> str:
@@ -92,12 +94,10 @@ class CheckpointRegistry:
 
     # -- checkpoints ------------------------------------------------------------------
 
+    def _checkpoint(self, tenant: str, path: TinkerPath) -> CheckpointStore:
+        return CheckpointStore(self.store, f"{self._run_prefix(tenant, path.run_id)}/{path.kind}/{path.name}", keep_last=1)
+
     def save(self, tenant: str, path: TinkerPath, files: dict[str, bytes], info: dict) -> dict:
-        prefix = f"{self._run_prefix(tenant, path.run_id)}/{path.kind}/{path.name}"
-        if self.store.exists(f"{prefix}/{META}"):
-            self.store.delete(prefix)  # overwriting a name replaces the whole checkpoint
-        for name, data in files.items():
-            self.store.put(f"{prefix}/{name}", data)
         meta = {
             **info,
             "tinker_path": str(path),
@@ -105,44 +105,45 @@ class CheckpointRegistry:
             "checkpoint_type": KINDS[path.kind],
             "time": now_iso(),
             "size_bytes": sum(len(d) for d in files.values()),
-            "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()},
         }
-        self.store.put(f"{prefix}/{META}", json.dumps(meta).encode())  # last: the checkpoint now exists
+        self._checkpoint(tenant, path).save(_STEP, files, meta)
         return meta
 
     def load(self, tenant: str, path: TinkerPath) -> tuple[dict, dict[str, bytes]]:
-        prefix = f"{self._run_prefix(tenant, path.run_id)}/{path.kind}/{path.name}"
-        try:
-            meta = json.loads(self.store.get(f"{prefix}/{META}"))
-        except StorageNotFound:
-            raise UserError(
-                f"no checkpoint at {path}",
-                hint="list this run's checkpoints with `tinker checkpoint list` or RestClient.list_checkpoints",
-            ) from None
-        files = {}
-        for name, digest in meta["files"].items():
-            data = self.store.get(f"{prefix}/{name}")
-            if hashlib.sha256(data).hexdigest() != digest:
-                raise CorruptCheckpoint(
-                    f"checkpoint {path} is corrupt: {name} does not match its checksum",
-                    hint="load an earlier checkpoint of this run",
-                )
-            files[name] = data
-        return meta, files
+        """The checkpoint's metadata and verified files; CorruptCheckpoint if a file fails its checksum."""
+        with _missing(path):
+            checkpoint = self._checkpoint(tenant, path).load(_STEP)
+        return checkpoint.metadata, checkpoint.files
+
+    def info(self, tenant: str, path: TinkerPath) -> dict:
+        """The checkpoint's metadata, without reading its files."""
+        with _missing(path):
+            return self._checkpoint(tenant, path).manifest(_STEP)["metadata"]
 
     def list(self, tenant: str, run_id: str) -> list[dict]:
         out = []
         prefix = self._run_prefix(tenant, run_id)
         for key in self.store.list(prefix):
-            if key.endswith(f"/{META}"):
-                meta = json.loads(self.store.get(key))
-                out.append({k: v for k, v in meta.items() if k != "files"})
+            parts = key[len(prefix) + 1 :].split("/")
+            if len(parts) == 3 and parts[0] in KINDS and parts[2] == LATEST:  # <kind>/<name>/latest
+                out.append(self.info(tenant, TinkerPath(run_id, parts[0], parts[1])))
         return sorted(out, key=lambda m: m["time"])
 
     def delete(self, tenant: str, path: TinkerPath) -> bool:
-        prefix = f"{self._run_prefix(tenant, path.run_id)}/{path.kind}/{path.name}"
-        if not self.store.exists(f"{prefix}/{META}"):
+        checkpoint = self._checkpoint(tenant, path)
+        if checkpoint.latest_step() is None:
             return False
-        self.store.delete(f"{prefix}/{META}")  # first: a half-deleted checkpoint is never loadable
-        self.store.delete(prefix)
+        self.store.delete(f"{checkpoint.prefix}/{LATEST}")  # first: a half-deleted checkpoint is never loadable
+        self.store.delete(checkpoint.prefix)
         return True
+
+
+@contextlib.contextmanager
+def _missing(path: TinkerPath):
+    try:
+        yield
+    except StorageNotFound:
+        raise UserError(
+            f"no checkpoint at {path}",
+            hint="list this run's checkpoints with `tinker checkpoint list` or RestClient.list_checkpoints",
+        ) from None

@@ -338,7 +338,7 @@ class TinkerService:
     def _sampler_for(self, tenant: str, sampler_id: str, model_path: str | None, base_model: str | None) -> Sampler:
         if model_path is not None:
             path = TinkerPath.parse(model_path)
-            meta, _ = self.registry.load(tenant, path)  # fails now, clearly, if it does not exist
+            meta = self.registry.info(tenant, path)  # fails now, clearly, if it does not exist
             return Sampler(sampler_id, tenant, meta.get("base_model", self.base_model), model_path=model_path)
         if base_model is None:
             raise UserError("sampling needs a model_path or a base_model")
