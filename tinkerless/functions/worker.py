@@ -106,6 +106,11 @@ class Worker:
         self._adapter_root = tempfile.mkdtemp(prefix="tinkerless-adapters-")
         self.engine = self._make_engine(engine, max_batch_size)
 
+    @property
+    def device_name(self) -> str:
+        """"cpu", or the GPU's own name ("NVIDIA H100 80GB HBM3"): what pay-per-use accounting prices."""
+        return torch.cuda.get_device_name(torch.device(self.device)) if self.device.startswith("cuda") else self.device
+
     def _make_engine(self, engine: str, max_batch_size: int):
         """transformers everywhere; vLLM (sampling from hot-loaded LoRA adapters) when it and a GPU are present."""
         from tinkerless.functions.vllm_engine import VLLMEngine, vllm_available
@@ -163,8 +168,7 @@ class Worker:
         return {
             "model": self.model_name,
             "device": self.device,
-            # The GPU's own name ("NVIDIA H100 80GB HBM3"): what pay-per-use accounting prices.
-            "device_name": torch.cuda.get_device_name(torch.device(self.device)) if self.device.startswith("cuda") else self.device,
+            "device_name": self.device_name,
             "engine": self.engine.name,
             "policies": {name: p.version for name, p in self.policies.items()},
         }

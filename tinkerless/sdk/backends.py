@@ -37,7 +37,7 @@ class LocalBackend:
 
         self.worker = Worker(model, **worker_options)
         self._lock = threading.Lock()  # one model in this process: calls from several threads take turns
-        self.usage = UsageMeter(source="the in-process worker", device=_device_name(self.worker.device))
+        self.usage = UsageMeter(source="the in-process worker", device=self.worker.device_name)
 
     def call_bytes(self, method: str, payload: bytes) -> bytes:
         with self._lock:
@@ -94,15 +94,6 @@ def device_of(backend: Backend) -> str:
         return "unknown"  # a backend without `info`: its cost is n/a, with a warning saying how to price it
     device = str(info.get("device_name") or info.get("device") or "unknown") if isinstance(info, dict) else "unknown"
     backend.usage.device = device
-    return device
-
-
-def _device_name(device: str) -> str:
-    """"cpu", or the GPU's marketing name (e.g. "NVIDIA H100 80GB HBM3") that prices are matched against."""
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.get_device_name(torch.device(device))
     return device
 
 

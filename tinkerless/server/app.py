@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinkerless.errors import ProtocolError, ServerBusy, TinkerlessError, UserError
+from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.keys import KeyStore
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import scope, tenant_prefix, unscope
@@ -41,21 +42,12 @@ DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 _ERROR_TAG = f"{ErrorReply.__module__}:{ErrorReply.__qualname__}".encode()
 
 
-
-
 class Handler(Protocol):
     """What the app needs from a worker (tinkerless.functions.worker.Worker fits)."""
 
     def handle(self, method: str, payload: bytes) -> bytes: ...
 
     def info(self, _request: Any = None) -> dict: ...
-
-
-class _RequestTooLarge(Exception):
-    def __init__(self, size: int, limit: int):
-        super().__init__(size, limit)
-        self.size = size
-        self.limit = limit
 
 
 def create_app(
@@ -112,10 +104,10 @@ def create_app(
         except ProtocolError as exc:
             return _error_response(400, exc)
         try:
-            body = await _read_body(request, max_request_bytes)
+            body = await read_body(request, max_request_bytes)
             if tenant:  # multi-tenant: scope every policy name to the caller
                 body = encode_message(scope(decode_message(body), tenant_prefix(tenant)))
-        except (_RequestTooLarge, ProtocolError) as exc:
+        except (RequestTooLarge, ProtocolError) as exc:
             if stream is not None:
                 scheduler.skip(tenant, stream, seq)  # refused before running: later calls must not wait for it
             if isinstance(exc, ProtocolError):
@@ -179,26 +171,6 @@ def create_app(
         return JSONResponse({"status": "ok", "model": info.get("model"), "policies": dict(info.get("policies", {}))})
 
     return app
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing early on the declared Content-Length and again on the bytes actually sent."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise ProtocolError(f"invalid Content-Length header {declared!r}", hint="send a numeric Content-Length") from None
-        if size > limit:
-            raise _RequestTooLarge(size, limit)
-    chunks: list[bytes] = []
-    received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > limit:  # chunked uploads (or a lying header) are cut off here
-            raise _RequestTooLarge(received, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 @dataclass
@@ -313,7 +285,6 @@ def serve(
         keys=keys,
         storage=storage or ".",
     )
-    app.state.storage = storage
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 

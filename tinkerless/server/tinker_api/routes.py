@@ -11,6 +11,7 @@ go out as `{error, category}`, which the SDK raises as `RequestFailedError`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -18,6 +19,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from tinkerless.errors import TinkerlessError
+from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.scheduler import QueueFull
 from tinkerless.server.tinker_api.service import Proto, TinkerService
 
@@ -59,15 +61,15 @@ def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats
         if tenant is None:
             return _error(401, "missing or invalid API key",
                           hint="set TINKER_API_KEY to a key from `tinkerless keys create --tenant NAME`")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_request_bytes:
-            return _error(413, f"request body of {declared} bytes is over this server's limit of {max_request_bytes}",
-                          hint="send smaller batches, or start the server with a larger --max-request-bytes")
-        body = await request.body()
-        if len(body) > max_request_bytes:
-            return _error(413, f"request body of {len(body)} bytes is over this server's limit of {max_request_bytes}")
         try:
-            payload: Any = body if raw else (await request.json() if body else {})
+            body = await read_body(request, max_request_bytes)
+        except RequestTooLarge as too_large:
+            return _error(413, f"request body of {too_large.size} bytes is over this server's limit of {too_large.limit}",
+                          hint="send smaller batches, or start the server with a larger --max-request-bytes")
+        except TinkerlessError as exc:
+            return _error(400, exc.message, hint=exc.hint)
+        try:
+            payload: Any = body if raw else (json.loads(body) if body else {})
             result = handler(tenant, payload)
         except NotFound as missing:
             return _error(404, f"not found: {missing}")
