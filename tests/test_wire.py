@@ -549,3 +549,15 @@ def test_a_request_of_the_wrong_type_is_a_protocol_error(worker):
 
     with pytest.raises(ProtocolError, match="forward expects a ForwardRequest, got dict"):
         backend_call(_Direct(), "forward", {"not": "a request"})
+
+
+def test_arrays_of_every_kind_in_one_message_keep_their_own_bytes():
+    """Contiguous arrays, strided views and torch tensors share one frame; each must read back its own data."""
+    import torch
+
+    strided = np.arange(6, dtype=np.float32).reshape(2, 3).T
+    values = [strided, np.arange(4, dtype=np.int64), torch.arange(3, dtype=torch.int32), np.eye(2)[:, ::-1], np.ones(2)]
+    out = decode(encode(values))
+    for sent, got in zip(values, out):
+        expected = sent.numpy() if isinstance(sent, torch.Tensor) else sent
+        assert got.dtype == expected.dtype and np.array_equal(got, expected)

@@ -33,6 +33,7 @@ _EXT_NDARRAY = 1  # inline: header + data (plain msgpack)
 _EXT_NDARRAY_OOB = 2  # out of band: header + offset into the frame's buffer section
 _FRAME_MAGIC = b"\x00TLW"  # no msgpack envelope starts with 0x00
 _FRAME_PREFIX = struct.Struct("<4sII")  # magic, body length, buffer section length
+_OFFSET = struct.Struct("<Q")  # an out-of-band array's start in the buffer section
 _TYPE_TAG = "__dc__"
 _ALLOWED_PREFIX = "tinkerless."
 
@@ -47,9 +48,23 @@ def _dataclass_fields(cls: type) -> tuple[str, tuple[str, ...]]:
     return cached
 
 
-def _default(obj: Any, buffers: list | None = None) -> Any:
+class _Frame:
+    """The out-of-band arrays of one message, and where each one's bytes will start."""
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] = []
+        self.size = 0
+
+    def add(self, array: np.ndarray) -> msgpack.ExtType:
+        ext = msgpack.ExtType(_EXT_NDARRAY_OOB, _OFFSET.pack(self.size) + _array_header(array))
+        self.arrays.append(array)
+        self.size += array.nbytes
+        return ext
+
+
+def _default(obj: Any, frame: _Frame | None = None) -> Any:
     if isinstance(obj, np.ndarray):  # the common case first: batches are mostly arrays
-        return _pack_array(obj, buffers)
+        return _pack_array(obj, frame)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         tag, names = _dataclass_fields(type(obj))
         fields = {name: getattr(obj, name) for name in names}
@@ -62,8 +77,8 @@ def _default(obj: Any, buffers: list | None = None) -> Any:
     if type(obj).__module__ == "torch" and type(obj).__name__ == "Tensor":
         tensor = obj.detach().cpu()
         if not tensor.dtype.is_floating_point or tensor.dtype.itemsize >= 4 or str(tensor.dtype) == "torch.float16":
-            return _pack_array(tensor.numpy(), buffers)
-        return _pack_array(tensor.float().numpy(), buffers)  # bfloat16/fp8 have no numpy dtype: widen to float32
+            return _pack_array(tensor.numpy(), frame)
+        return _pack_array(tensor.float().numpy(), frame)  # bfloat16/fp8 have no numpy dtype: widen to float32
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
     raise ProtocolError(
@@ -72,16 +87,14 @@ def _default(obj: Any, buffers: list | None = None) -> Any:
     )
 
 
-def _pack_array(array: np.ndarray, buffers: list | None) -> msgpack.ExtType:
+def _pack_array(array: np.ndarray, frame: _Frame | None) -> msgpack.ExtType:
     if not array.flags.c_contiguous:  # (ascontiguousarray would also turn 0-d into 1-d)
         array = np.ascontiguousarray(array)
     if array.dtype.hasobject:
         raise ProtocolError("object arrays cannot be sent", hint="convert to a numeric dtype first")
-    if buffers is None:  # plain msgpack: the data inline
+    if frame is None:  # plain msgpack: the data inline
         return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb([array.dtype.str, list(array.shape)]) + array.tobytes())
-    offset = sum(a.nbytes for a in buffers)
-    buffers.append(array)
-    return msgpack.ExtType(_EXT_NDARRAY_OOB, _OFFSET.pack(offset) + _array_header(array))
+    return frame.add(array)
 
 
 _HEADERS: dict[tuple[str, int], tuple[bytes, struct.Struct]] = {}  # (dtype, ndim) -> (fixed part, shape format)
@@ -97,7 +110,6 @@ def _array_header(array: np.ndarray) -> bytes:
     return fixed + shape.pack(*array.shape)
 
 
-_OFFSET = struct.Struct("<Q")
 _PARSED: dict[bytes, tuple[np.dtype, struct.Struct]] = {}  # header's dtype+ndim bytes -> parsed
 
 
@@ -177,23 +189,18 @@ def _resolve(tag: str) -> tuple[type, frozenset[str]]:
 
 def encode(obj: Any) -> bytes:
     """Encode a value (dataclasses, arrays, plain data) as a frame: prefix, msgpack body, array data."""
-    arrays: list[np.ndarray] = []
-    size = 0
+    frame = _Frame()
 
     def default(o: Any) -> Any:
-        nonlocal size
-        if type(o) is np.ndarray and o.flags.c_contiguous and not o.dtype.hasobject:  # the hot path, inlined
-            ext = msgpack.ExtType(_EXT_NDARRAY_OOB, _OFFSET.pack(size) + _array_header(o))
-            arrays.append(o)
-            size += o.nbytes
-            return ext
-        return _default(o, arrays)
+        if type(o) is np.ndarray and o.flags.c_contiguous and not o.dtype.hasobject:  # the hot path
+            return frame.add(o)
+        return _default(o, frame)
 
     body = msgpack.packb(obj, default=default, use_bin_type=True)
-    size = sum(a.nbytes for a in arrays)  # also counts arrays that took the slow path
-    prefix = _FRAME_PREFIX.pack(_FRAME_MAGIC, len(body), size)
+    prefix = _FRAME_PREFIX.pack(_FRAME_MAGIC, len(body), frame.size)
     # One copy of every array, straight from its memory into the frame.
-    return b"".join([prefix, body, *(memoryview(a).cast("B") if a.ndim and a.size else a.tobytes() for a in arrays)])
+    arrays = (memoryview(a).cast("B") if a.ndim and a.size else a.tobytes() for a in frame.arrays)
+    return b"".join([prefix, body, *arrays])
 
 
 def decode(data: bytes) -> Any:
