@@ -20,7 +20,6 @@ with a warning, rather than hanging its later calls forever.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import threading
 import time
@@ -45,8 +44,6 @@ class Job:
     seq: int | None
     fn: Callable[[], Any]
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    arrival: int = 0
-    queued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -66,10 +63,8 @@ class Scheduler:
         self._ready: dict[str, deque[Job]] = {}  # tenant -> runnable jobs in arrival order
         self._turns: deque[str] = deque()  # tenants with runnable jobs, in round-robin order
         self._streams: dict[tuple[str, str], _Stream] = {}
-        self._arrivals = itertools.count()
         self._pending = 0
         self.in_flight = 0
-        self.completed = 0
         self._avg_seconds = 0.1  # moving average of job time, for Retry-After
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="tinkerless-scheduler", daemon=True)
@@ -86,7 +81,7 @@ class Scheduler:
                 raise RuntimeError("the scheduler is closed")
             if self._pending >= self.max_pending:
                 raise QueueFull(self._pending, retry_after=self._retry_after())
-            job = Job(tenant, stream, seq, fn, arrival=next(self._arrivals))
+            job = Job(tenant, stream, seq, fn)
             self._pending += 1
             if stream is None or seq is None:
                 self._make_ready(job)
@@ -109,19 +104,10 @@ class Scheduler:
             state = self._streams.setdefault((tenant, stream), _Stream())
             if seq < state.next_seq or seq in state.waiting:
                 return
-            state.waiting[seq] = Job(tenant, stream, seq, lambda: None, arrival=next(self._arrivals))
+            state.waiting[seq] = Job(tenant, stream, seq, lambda: None)
             self._pending += 1
             self._release(state)
             self._cond.notify_all()
-
-    def start_stream(self, tenant: str, stream: str, next_seq: int = 1) -> None:
-        """Declare a stream (e.g. a new model) whose first call will carry `next_seq`."""
-        with self._cond:
-            self._streams.setdefault((tenant, stream), _Stream(next_seq=next_seq))
-
-    def drop_stream(self, tenant: str, stream: str) -> None:
-        with self._cond:
-            self._streams.pop((tenant, stream), None)
 
     # -- state --------------------------------------------------------------------
 
@@ -212,5 +198,4 @@ class Scheduler:
                 with self._cond:
                     self._avg_seconds = 0.9 * self._avg_seconds + 0.1 * (time.perf_counter() - started)
                     self.in_flight -= 1
-                    self.completed += 1
                     self._cond.notify_all()

@@ -191,7 +191,6 @@ class TinkerService:
             self._register(model)
             return {"model_id": model.model_id, "type": "create_model"}
 
-        self.scheduler.start_stream(tenant, model.model_id)
         return self.submit(tenant, run, model_id=model.model_id)
 
     def _register(self, model: TrainingModel) -> None:
@@ -305,10 +304,10 @@ class TinkerService:
         if body.get("session_id") is not None:  # create-via-load: a new model whose id the SDK derives itself
             model = self._new_model(tenant, body["session_id"], body.get("model_seq_id", 0), body.get("base_model"),
                                     body.get("user_metadata"))
-            fresh, stream, seq = True, model.model_id, None
+            fresh, seq = True, None
         else:
             model = self.model(tenant, body["model_id"])
-            fresh, stream, seq = False, model.model_id, body.get("seq_id")
+            fresh, seq = False, body.get("seq_id")
 
         def run() -> dict:
             meta, files = self.registry.load(tenant, path)
@@ -323,9 +322,7 @@ class TinkerService:
                 self._register(model)
             return {"path": str(path), "model_id": model.model_id, "type": "load_weights"}
 
-        if fresh:
-            self.scheduler.start_stream(tenant, model.model_id)
-        return self.submit(tenant, run, stream=stream if seq is not None else None, seq=seq, model_id=model.model_id)
+        return self.submit(tenant, run, stream=model.model_id, seq=seq, model_id=model.model_id)
 
     # -- sampling ------------------------------------------------------------------------
 
