@@ -3,9 +3,10 @@
 A message is a small frame: a 12-byte prefix, a msgpack body, then the raw bytes
 of every array in it. In the body an array is an extension holding only its
 dtype, shape and offset; its data follows out of band, so encoding copies each
-array once (into the frame) and decoding once (out of it), however many arrays a
-batch holds. Plain msgpack (no frame, arrays inline) is still decoded. Torch
-tensors are sent as arrays. Dataclasses travel as maps tagged with their
+array once (into the frame) and decoding copies the whole array section once,
+into memory the receiver owns, of which each array is a writable view (so an
+array kept alive keeps its message's arrays alive too). Plain msgpack (no frame,
+arrays inline) is still decoded. Torch tensors are sent as arrays. Dataclasses travel as maps tagged with their
 import path; only classes defined inside `tinkerless` are ever rebuilt, so a
 payload cannot make the receiver import arbitrary code. User code travels as
 cloudpickle bytes only inside `CodeBlob` fields (see `tinkerless.wire.code`).
@@ -114,7 +115,7 @@ _PARSED: dict[bytes, tuple[np.dtype, struct.Struct]] = {}  # header's dtype+ndim
 
 
 def _read_array(data: bytes, buffers: memoryview | None) -> np.ndarray:
-    """An out-of-band array: copied out of the frame so the receiver owns a writable array."""
+    """An out-of-band array: a view into the frame's (already copied, writable) array section."""
     if buffers is None:
         raise ProtocolError("an out-of-band array arrived outside a frame")
     try:
@@ -135,7 +136,7 @@ def _read_array(data: bytes, buffers: memoryview | None) -> np.ndarray:
     if count < 0 or offset + count * dtype.itemsize > len(buffers):
         raise ProtocolError("malformed array on the wire: its data lies outside the message")
     array = np.frombuffer(buffers, dtype=dtype, count=count, offset=offset)
-    return (array if len(shape) == 1 else array.reshape(shape)).copy()
+    return array if len(shape) == 1 else array.reshape(shape)
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
@@ -217,7 +218,9 @@ def decode(data: bytes) -> Any:
                 f"malformed message: the frame declares {start + size} bytes but {len(data)} arrived",
                 hint="the message was cut off or has trailing data; resend it",
             )
-        buffers = view[start:]
+        # One copy of the whole array section into memory the receiver owns: every array is then a
+        # writable view of it (disjoint ranges), with no allocation or copy per array.
+        buffers = memoryview(bytearray(view[start:]))
         view = view[_FRAME_PREFIX.size : start]
     def ext_hook(code: int, ext: bytes) -> Any:
         return _read_array(ext, buffers) if code == _EXT_NDARRAY_OOB else _ext_hook(code, ext)
