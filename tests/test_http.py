@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -30,10 +31,15 @@ MSGPACK = {"Content-Type": "application/msgpack"}
 
 
 @pytest.fixture(scope="module")
-def server_url(tiny_model) -> Iterator[str]:
+def server_storage(tmp_path_factory):
+    return tmp_path_factory.mktemp("server-storage")
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_model, server_storage) -> Iterator[str]:
     from tinkerless.functions.worker import Worker
 
-    with running(create_app(lambda: Worker(tiny_model))) as url:
+    with running(create_app(lambda: Worker(tiny_model), storage=str(server_storage))) as url:
         yield url
 
 
@@ -60,7 +66,7 @@ def length_reward(completion, task):
     return float(len(completion) % 3)
 
 
-def _train(tiny_model, storage, backend):
+def _train(tiny_model, storage, backend, run_id="same-run"):
     return tinkerless.train(
         model=tiny_model,
         reward=length_reward,
@@ -72,12 +78,13 @@ def _train(tiny_model, storage, backend):
         seed=0,
         storage=str(storage),
         progress=False,
-        run_id="same-run",
+        run_id=run_id,
         backend=backend,
     )
 
 
 def _adapter_files(storage, result) -> dict[str, bytes]:
+    """The adapter of the run's last checkpoint in `storage` (a server keeps its runs under tenants/<tenant>)."""
     checkpoint = CheckpointStore(ObjectStore(str(storage)), checkpoint_prefix(result.run_id)).load(
         result.last_checkpoint_step
     )
@@ -87,7 +94,7 @@ def _adapter_files(storage, result) -> dict[str, bytes]:
 # ---- (a) the same run locally and over HTTP ------------------------------------------------------
 
 
-def test_training_over_http_matches_local(tiny_model, server_url, tmp_path):
+def test_training_over_http_matches_local(tiny_model, server_url, server_storage, tmp_path):
     local = _train(tiny_model, tmp_path / "local", LocalBackend(tiny_model))
     remote = _train(tiny_model, tmp_path / "http", HTTPBackend(server_url, timeout=120))
 
@@ -97,7 +104,13 @@ def test_training_over_http_matches_local(tiny_model, server_url, tmp_path):
     assert local.last_checkpoint_step == remote.last_checkpoint_step == 2
     local_adapter = _adapter_files(tmp_path / "local", local)
     assert local_adapter, "the checkpoint holds no adapter weights"
-    assert _adapter_files(tmp_path / "http", remote) == local_adapter
+    # The server hosts the run: its state and checkpoints are in the server's storage, not the client's.
+    assert _adapter_files(server_storage / "tenants/_", remote) == local_adapter
+    state = json.loads((server_storage / "tenants/_/runs/same-run/state.json").read_text())
+    assert state["status"] == "finished" and state["step"] == 2 and state["last_checkpoint_step"] == 2
+    assert not (tmp_path / "http/runs/same-run/state.json").exists()
+    assert not (tmp_path / "http/runs/same-run/checkpoints").exists()
+    assert (tmp_path / "http/runs/same-run/metrics.jsonl").exists()  # metrics and plot stay with the client
 
 
 # ---- (b) typed user errors -----------------------------------------------------------------------
@@ -272,14 +285,14 @@ def test_backend_url_string_selects_the_http_backend(tiny_model, server_url, tmp
     assert result.metrics[0]["episodes"] == 2
 
 
-def test_runs_sharing_a_server_start_from_their_own_fresh_adapters(tiny_model, server_url, tmp_path):
+def test_runs_sharing_a_server_start_from_their_own_fresh_adapters(tiny_model, server_url, server_storage, tmp_path):
     """Runs on one server get their own adapters: a second run does not continue the first one's."""
     import httpx
 
-    first = _train(tiny_model, tmp_path / "one", HTTPBackend(server_url, timeout=120))
-    second = _train(tiny_model, tmp_path / "two", HTTPBackend(server_url, timeout=120))
+    first = _train(tiny_model, tmp_path / "one", HTTPBackend(server_url, timeout=120), run_id="sharing-one")
+    second = _train(tiny_model, tmp_path / "two", HTTPBackend(server_url, timeout=120), run_id="sharing-two")
     assert [r["reward_mean"] for r in second.metrics] == [r["reward_mean"] for r in first.metrics]
-    assert _adapter_files(tmp_path / "two", second) == _adapter_files(tmp_path / "one", first)
+    assert _adapter_files(server_storage / "tenants/_", second) == _adapter_files(server_storage / "tenants/_", first)
     policies = httpx.get(server_url + "/healthz").json()["policies"]
     assert len([p for p in policies if p.endswith("-default")]) >= 2
 

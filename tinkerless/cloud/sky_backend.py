@@ -80,6 +80,10 @@ class SkyBackend:
     def call_bytes(self, method: str, payload: bytes) -> bytes:
         return self._http.call_bytes(method, payload)
 
+    def run_host(self, local_dir: str = "."):
+        """Runs through this backend live on the cluster's server, in its `--storage`."""
+        return self._http.run_host(local_dir=local_dir)
+
     def close(self) -> None:
         """Stop talking to the cluster; tear it down only if this backend was made with down_on_close=True."""
         if self._closed:

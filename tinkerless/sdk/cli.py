@@ -1,7 +1,7 @@
 """The `tinkerless` command: train, runs, eval.
 
     tinkerless train examples/arithmetic.py [--steps 20] [--resume --run-id ID]
-    tinkerless runs [--storage DIR]
+    tinkerless runs [--storage DIR | --server URL]
     tinkerless eval examples/arithmetic.py --run-id ID [--step N] [--episodes 32]
 
 An example file defines a module-level `config = tinkerless.TrainConfig(...)`;
@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
         "runs", help="list runs in a storage location, with the device-seconds they used and their estimated cost"
     )
     runs.add_argument("--storage", default=".")
+    runs.add_argument(
+        "--server", help="list the runs kept by this `tinkerless serve` URL instead (key: $TINKERLESS_API_KEY)"
+    )
 
     evaluate = sub.add_parser("eval", help="run the env with a saved adapter, no training")
     evaluate.add_argument("file")
@@ -204,9 +207,19 @@ def _runs(args) -> int:
     from tinkerless.sdk.accounting import format_cost, latest_usage
     from tinkerless.storage import ObjectStore
 
-    runs = list_runs(ObjectStore(args.storage))
+    if args.server:
+        from tinkerless.sdk.http_backend import HTTPBackend
+        from tinkerless.sdk.server_runs import ServerRunHost
+
+        http = HTTPBackend(args.server, timeout=60)
+        try:
+            runs, where = ServerRunHost(http).list(), args.server
+        finally:
+            http.close()
+    else:
+        runs, where = list_runs(ObjectStore(args.storage)), args.storage
     if not runs:
-        print(f"no runs in {args.storage}")
+        print(f"no runs in {where}")
         return 0
     print(
         f"{'RUN':<40} {'STATUS':<9} {'STEP':>9} {'REWARD first3→last3':>22} {'CHECKPOINT':>10} "

@@ -27,7 +27,7 @@ from tinkerless.errors import RemoteError, ServerBusy
 from tinkerless.sdk.accounting import UsageMeter
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, SEQ_HEADER, STREAM_HEADER
 
-_ENVELOPE_STATUSES = (200, 400, 401, 413, 500)  # statuses whose body is a msgpack envelope from the server
+_ENVELOPE_STATUSES = (200, 400, 401, 409, 413, 500)  # statuses whose body is a msgpack envelope from the server
 _START_HINT = "start the server with `tinkerless serve --host 127.0.0.1 --port 8000 --model MODEL` and check the URL"
 
 
@@ -60,14 +60,22 @@ class HTTPBackend:
         self._seq_lock = threading.Lock()
 
     def call_bytes(self, method: str, payload: bytes) -> bytes:
-        url = f"{self.base_url}/v1/call/{method}"
-        with self._seq_lock:
-            seq = next(self._seq)
-        headers = {"Content-Type": MSGPACK, STREAM_HEADER: self._stream, SEQ_HEADER: str(seq)}
+        return self.post(f"/v1/call/{method}", payload, label=method)
+
+    def post(self, path: str, payload: bytes, *, label: str, ordered: bool = True) -> bytes:
+        """POST a msgpack envelope to `path`; the reply's bytes (error envelopes included).
+
+        `ordered` calls carry this client's stream and next sequence number: the server runs
+        them on the model in that order. Coordinator calls (`ordered=False`) skip the queue."""
+        url = f"{self.base_url}{path}"
+        headers = {"Content-Type": MSGPACK}
+        if ordered:
+            with self._seq_lock:
+                headers.update({STREAM_HEADER: self._stream, SEQ_HEADER: str(next(self._seq))})
         started = time.perf_counter()
         deadline = time.monotonic() + self.busy_timeout
         while True:
-            response = self._post(method, url, payload, headers)
+            response = self._post(label, url, path, payload, headers)
             if response.status_code != 429:
                 break
             wait = _retry_after(response)
@@ -79,16 +87,23 @@ class HTTPBackend:
                 )
             time.sleep(wait)
         if response.status_code in _ENVELOPE_STATUSES and response.headers.get("content-type", "").startswith(MSGPACK):
-            self._record(method, response, time.perf_counter() - started)
+            if ordered:
+                self._record(label, response, time.perf_counter() - started)
             return response.content
         raise _remote_error(
             f"{url} answered HTTP {response.status_code} without a tinkerless reply: {response.text[:200]!r}",
             "check that the URL points at a `tinkerless serve` server (not a proxy or another service)",
         )
 
-    def _post(self, method: str, url: str, payload: bytes, headers: dict[str, str]) -> httpx.Response:
+    def run_host(self, local_dir: str = "."):
+        """Where runs through this backend live: on the server (coordinator and checkpoints)."""
+        from tinkerless.sdk.server_runs import ServerRunHost
+
+        return ServerRunHost(self, local_dir=local_dir)
+
+    def _post(self, method: str, url: str, path: str, payload: bytes, headers: dict[str, str]) -> httpx.Response:
         try:
-            return self._client.post(f"/v1/call/{method}", content=payload, headers=headers)
+            return self._client.post(path, content=payload, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise _remote_error(f"cannot reach the tinkerless server at {self.base_url} ({exc})", _START_HINT) from exc
         except httpx.TimeoutException as exc:

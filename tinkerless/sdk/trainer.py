@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs, run_prefix
-from tinkerless.errors import EnvError, UserError
+from tinkerless.coordinator import Coordinator
+from tinkerless.errors import EnvError
 from tinkerless.sdk.accounting import RunUsage, format_usage, latest_usage
 from tinkerless.sdk.advantages import group_advantages
 from tinkerless.sdk.backends import Backend, device_of, make_backend, with_usage
@@ -32,9 +32,10 @@ from tinkerless.sdk.agents import frozen_adapters, trainable_policies
 from tinkerless.sdk.metrics import MetricsWriter, plot_metrics, plot_outcomes, read_metrics
 from tinkerless.sdk.multi_agent import build_seats, play_step
 from tinkerless.sdk.progress import Progress
+from tinkerless.sdk.run_host import run_host_for
 from tinkerless.sdk.tasks import TaskSource
-from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.wire import pack_code
+from tinkerless.wire.runs import CheckpointPolicy
 from tinkerless.wire.messages import (
     AdamParams,
     Datum,
@@ -90,29 +91,33 @@ class _Run:
         self.policies = trainable_policies(config.agents) if self.multi_agent else ["default"]
         self.seats = build_seats(config.agents) if self.multi_agent else []
         self.events: list[tuple[int, str, str]] = []  # (step, event, policy): the barrier's observable order
-        self.store = ObjectStore(config.storage, **(config.storage_options or {}))
-        self.coordinator, start = self._open_run()
+        self.backend = with_usage(
+            backend
+            or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size)
+        )
+        try:
+            # The run's state and checkpoints: in `storage`, or on the server the backend talks to.
+            self.host = run_host_for(self.backend, config.storage, config.storage_options)
+            self.coordinator, start = self._open_run()
+        except BaseException:
+            self.backend.close()
+            raise
         self.run_id = self.coordinator.run_id
-        self.checkpoints = CheckpointStore(self.store, checkpoint_prefix(self.run_id), keep_last=config.keep_checkpoints)
-        self.run_dir = self._run_dir()
+        self.checkpoints = self.host.checkpoints(self.coordinator, config.keep_checkpoints)
+        self.run_dir = self.host.run_dir(self.run_id)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
         self.cursor = 0
         self.step = 0
         self._versions: dict[str, int] = {}
         try:
-            self.backend = with_usage(
-                backend
-                or make_backend(
-                    config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size
-                )
-            )
             # A resumed run goes on billing from what its earlier attempts used.
             prior = latest_usage(self.coordinator.state.summary) if start else None
             self.usage = RunUsage(self.backend.usage, config.price_table(), prior=prior)
             with self.usage.phase("setup"):
                 self.usage.device = device_of(self.backend)
                 # Worker-side policy names are scoped to this run: a shared server holds many runs' adapters.
-                self.namespace = "r" + hashlib.sha256(f"{self.store.url}|{self.run_id}".encode()).hexdigest()[:10]
+                self.namespace = "r" + hashlib.sha256(f"{self.host.where}|{self.run_id}".encode()).hexdigest()[:10]
                 self.clients = {
                     name: TrainingClient(
                         self.backend,
@@ -127,36 +132,33 @@ class _Run:
                     self._restore()
         except BaseException:
             self.coordinator.finish("failed", self._usage_summary())  # never leave a run that looks alive
+            self.backend.close()
             raise
 
     def _open_run(self) -> tuple[Coordinator, bool]:
         config = self.config
         if config.resume:
-            run_id = config.run_id or _latest_run_id(self.store, config.name)
-            return Coordinator.open(self.store, run_id), True
+            run_id = config.run_id or self.host.latest_run_id(config.name)
+            return self.host.open(run_id), True
         run_id = config.run_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16**4):04x}"
-        return Coordinator.create(self.store, run_id, config.summary()), False
-
-    def _run_dir(self) -> Path:
-        local = self.store.local_path(run_prefix(self.run_id))
-        path = Path(local) if local else Path("runs") / self.run_id
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        return self.host.create(run_id, config.summary()), False
 
     # ---- checkpoints -----------------------------------------------------------
+    def _checkpoint_policies(self, versions: dict[str, int] | None = None) -> list[CheckpointPolicy]:
+        return [
+            CheckpointPolicy(name, _policy_prefix(name), client.remote(name), (versions or {}).get(name, 0))
+            for name, client in self.clients.items()
+        ]
+
     def _restore(self) -> None:
-        checkpoint = self.checkpoints.load_latest()
-        if checkpoint is None:
+        restored = self.checkpoints.restore(self._checkpoint_policies(), [CLIENT_STATE_FILE])
+        if restored.step is None:
             self._say(f"run {self.run_id}: no valid checkpoint, starting from step 0")
             self.coordinator.reset_to_checkpoint(0, self.config.summary())
             self.metrics.truncate_after(-1)
             return
-        client_state = json.loads(checkpoint.files.pop(CLIENT_STATE_FILE))
-        for name, client in self.clients.items():
-            prefix = _policy_prefix(name)
-            files = {k[len(prefix):]: v for k, v in checkpoint.files.items() if k.startswith(prefix)}
-            client.load_state(PolicyState(name, files, client_state["policy_versions"][name]))
-            self._versions[name] = client_state["policy_versions"][name]
+        client_state = json.loads(restored.files[CLIENT_STATE_FILE])
+        self._versions.update(client_state["policy_versions"])
         self.step, self.cursor = client_state["step"], client_state["cursor"]
         random.setstate(_tuplify(client_state["python_random"]))
         np.random.set_state(tuple(client_state["numpy_random"][:1]) + (np.array(client_state["numpy_random"][1], dtype=np.uint32),) + tuple(client_state["numpy_random"][2:]))
@@ -165,9 +167,6 @@ class _Run:
         self._say(f"run {self.run_id}: resumed from checkpoint step-{self.step}")
 
     def _save_checkpoint(self, policy_versions: dict[str, int]) -> None:
-        files: dict[str, bytes] = {}
-        for name, client in self.clients.items():
-            files.update({_policy_prefix(name) + k: v for k, v in client.save_state().files.items()})
         numpy_state = np.random.get_state()
         client_state = {
             "step": self.step,
@@ -176,8 +175,8 @@ class _Run:
             "python_random": random.getstate(),
             "numpy_random": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
         }
-        files[CLIENT_STATE_FILE] = json.dumps(client_state).encode()
-        self.checkpoints.save(self.step, files, {"run_id": self.run_id, "policy_versions": policy_versions})
+        files = {CLIENT_STATE_FILE: json.dumps(client_state).encode()}
+        self.checkpoints.save(self.step, self._checkpoint_policies(policy_versions), files, {"run_id": self.run_id})
         self.coordinator.record_checkpoint(self.step)
 
     # ---- the loop ----------------------------------------------------------------
@@ -216,7 +215,7 @@ class _Run:
         if self.multi_agent:
             plot_outcomes(self.run_dir / "metrics.jsonl", self.run_dir / "outcomes.png", self.policies, title=self.run_id)
         result = RunResult(
-            self.run_id, self.run_dir, records, self.checkpoints.latest_step(), Path(plot), self.events, usage
+            self.run_id, self.run_dir, records, self.coordinator.state.last_checkpoint_step, Path(plot), self.events, usage
         )
         self._say(_final_report(result))
         return result
@@ -438,16 +437,6 @@ def _final_report(result: RunResult) -> str:
         f"  checkpoint: step-{result.last_checkpoint_step} (resume with --resume --run-id {result.run_id})"
         + (f"\n  compute: {format_usage(result.usage)}" if result.usage else "")
     )
-
-
-def _latest_run_id(store: ObjectStore, name: str) -> str:
-    runs = [r for r in list_runs(store) if r.config.get("name") == name]
-    if not runs:
-        raise UserError(
-            f"no run named {name!r} to resume in {store.url}",
-            hint="pass run_id=... (see `tinkerless runs`) or drop resume to start a new run",
-        )
-    return runs[0].run_id
 
 
 def _policy_prefix(name: str) -> str:

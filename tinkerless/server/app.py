@@ -4,6 +4,7 @@
                              200: encoded reply; 400/500: encoded `ErrorReply` (user/server);
                              413: encoded `ErrorReply` (ProtocolError) when the body is too large;
                              429 + Retry-After: the queue is full
+    POST /v1/runs/...        server-hosted runs: coordinator calls and checkpoints (see `runs`)
     GET  /healthz            {"status": "ok", "model": ..., "policies": {name: version}}
     GET  /metrics            Prometheus text: queue depth, calls in flight, requests, CPU/GPU
     /api/v1/...              the Tinker API, for the official `tinker` SDK (see `tinker_api`)
@@ -28,13 +29,14 @@ from typing import Any, Callable, Iterator, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tinkerless.errors import ProtocolError, ServerBusy, TinkerlessError, UserError
+from tinkerless.errors import ProtocolError, ServerBusy
 from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.keys import KeyStore
+from tinkerless.server.replies import error_response, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
-from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, SEQ_HEADER, STREAM_HEADER
+from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK
 from tinkerless.wire.messages import ErrorReply
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
@@ -63,7 +65,8 @@ def create_app(
 
     With `keys`, every call needs `Authorization: Bearer <key>`; `/healthz` then answers
     only `{"status": "ok"}` to callers without a key (enough for a readiness probe).
-    `storage` (an fsspec URL, default: a temporary directory) holds Tinker checkpoints,
+    `storage` (an fsspec URL, default: a temporary directory) holds the runs clients drive
+    through this server (coordinator state and checkpoints) and Tinker checkpoints, all
     tenant-prefixed. Past `max_pending` queued calls the server answers 429.
     """
     worker: Handler = (
@@ -91,18 +94,11 @@ def create_app(
     async def call(method: str, request: Request) -> Response:
         tenant = tenant_of(request)
         if tenant is None:
-            return _error_response(
-                401,
-                UserError(
-                    "missing or invalid API key",
-                    hint="pass api_key= to HTTPBackend or set TINKERLESS_API_KEY; "
-                    "an admin issues keys with `tinkerless keys create --tenant NAME`",
-                ),
-            )
+            return unauthorized()
         try:
-            stream, seq = _stream_of(request)
+            stream, seq = stream_of(request)
         except ProtocolError as exc:
-            return _error_response(400, exc)
+            return error_response(400, exc)
         try:
             body = await read_body(request, max_request_bytes)
             if tenant:  # multi-tenant: scope every policy name to the caller
@@ -111,8 +107,8 @@ def create_app(
             if stream is not None:
                 scheduler.skip(tenant, stream, seq)  # refused before running: later calls must not wait for it
             if isinstance(exc, ProtocolError):
-                return _error_response(400, exc)
-            return _error_response(
+                return error_response(400, exc)
+            return error_response(
                 413,
                 ProtocolError(
                     f"request body of {exc.size} bytes is over this server's limit of {exc.limit} bytes "
@@ -129,7 +125,7 @@ def create_app(
             future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq)
         except QueueFull as full:
             stats.count(method, 429)
-            return _error_response(
+            return error_response(
                 429,
                 ServerBusy(str(full), hint=f"retry after {full.retry_after:.0f}s; HTTPBackend does this by itself"),
                 headers={"Retry-After": str(int(round(full.retry_after)))},
@@ -144,12 +140,18 @@ def create_app(
         headers = {COMPUTE_SECONDS_HEADER: f"{compute_seconds:.6f}"}
         return Response(content=reply, status_code=status, media_type=MSGPACK, headers=headers)
 
-    if tinker_api and hasattr(worker, "model_name"):  # a real Worker (test doubles speak only /v1/call)
-        from tinkerless.functions.models import resolve_model
-        from tinkerless.server import tinker_api as tinker
+    if hasattr(worker, "model_name"):  # a real Worker (test doubles speak only /v1/call)
+        from tinkerless.server.runs import RunService, make_router
         from tinkerless.storage import ObjectStore
 
         store = ObjectStore(storage or tempfile.mkdtemp(prefix="tinkerless-serve-"))
+        app.state.runs = RunService(store, worker)
+        app.include_router(make_router(app.state.runs, scheduler, tenant_of, max_request_bytes))
+
+    if tinker_api and hasattr(worker, "model_name"):
+        from tinkerless.functions.models import resolve_model
+        from tinkerless.server import tinker_api as tinker
+
         aliases = {resolve_model(worker.model_name)}
         app.state.tinker = tinker.mount(app, worker, scheduler, store, tenant_of,
                                         max_request_bytes=max_request_bytes, aliases=aliases, stats=stats)
@@ -237,22 +239,6 @@ def _status_for(reply: bytes) -> int:
     if isinstance(body, ErrorReply):
         return 400 if body.category == "user" else 500
     return 200
-
-
-def _error_response(status: int, exc: TinkerlessError, headers: dict[str, str] | None = None) -> Response:
-    reply = ErrorReply(error=exc.message, category=exc.category, type=type(exc).__name__, hint=exc.hint)
-    return Response(content=encode_message(reply), status_code=status, media_type=MSGPACK, headers=headers)
-
-
-def _stream_of(request: Request) -> tuple[str | None, int | None]:
-    """The client's call stream and sequence number, when it sends them (HTTPBackend does)."""
-    stream = request.headers.get(STREAM_HEADER)
-    seq = request.headers.get(SEQ_HEADER)
-    if stream is None or seq is None:
-        return None, None
-    if not seq.isdigit() or len(stream) > 128:
-        raise ProtocolError(f"invalid {SEQ_HEADER} {seq!r} or {STREAM_HEADER}", hint="sequence numbers are integers from 1")
-    return stream, int(seq)
 
 
 def serve(

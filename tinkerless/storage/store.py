@@ -13,6 +13,7 @@ are built on: the ETag on S3, a content hash under a file lock locally.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import threading
@@ -132,6 +133,17 @@ class ObjectStore:
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
+
+    def child(self, prefix: str) -> "ObjectStore":
+        """A store rooted at `prefix` inside this one (same filesystem and credentials).
+
+        Keys of the child can only name objects under `prefix`: a multi-tenant server gives
+        each tenant its own child, so no key a tenant sends reaches another tenant's objects."""
+        validate_key(prefix)
+        clone = copy.copy(self)
+        clone._root = self._path(prefix)
+        clone.url = self.full_url(prefix)
+        return clone
 
     @property
     def supports_conditional_writes(self) -> bool:

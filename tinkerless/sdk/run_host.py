@@ -1,0 +1,110 @@
+"""Where a run lives: its coordinator (state, barriers) and its checkpoints.
+
+`train()` drives every run the same way and asks a `RunHost` for those two things:
+
+- `StorageRunHost`: in object storage the client writes itself (a local directory,
+  s3://...), with the `Coordinator` in this process. Local, Modal and custom backends.
+- `ServerRunHost` (`server_runs`): on a `tinkerless serve` server, in its storage,
+  tenant-prefixed. HTTP and SkyPilot backends, whose `run_host()` returns one.
+
+Checkpoints name their policies as `CheckpointPolicy` (file prefix and worker name);
+whoever holds the worker reads and loads the adapters, so they never travel further
+than from the functions to storage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs, run_prefix
+from tinkerless.coordinator.policy_checkpoints import restore_policies, save_policies
+from tinkerless.errors import UserError
+from tinkerless.sdk.backends import Backend, call
+from tinkerless.storage import CheckpointStore, ObjectStore
+from tinkerless.wire.messages import LoadStateRequest, PolicyState, SaveStateRequest
+from tinkerless.wire.runs import CheckpointPolicy, RestoredCheckpoint
+
+
+class RunCheckpoints(Protocol):
+    def save(self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict) -> None: ...
+
+    def restore(self, policies: list[CheckpointPolicy], client_files: list[str]) -> RestoredCheckpoint: ...
+
+
+class RunHost(Protocol):
+    where: str  # the URL runs live under (messages; scopes the run's policy names on a shared worker)
+
+    def create(self, run_id: str, config: dict) -> Any: ...  # a Coordinator or a stand-in with its methods
+
+    def open(self, run_id: str) -> Any: ...
+
+    def latest_run_id(self, name: str) -> str: ...
+
+    def run_dir(self, run_id: str) -> Path: ...  # a local directory for the run's metrics and plots
+
+    def checkpoints(self, coordinator: Any, keep_last: int | None) -> RunCheckpoints: ...
+
+
+class StorageRunHost:
+    """Runs in `store`, coordinated in this process; policy states come from `backend`'s worker."""
+
+    def __init__(self, store: ObjectStore, backend: Backend):
+        self.store = store
+        self.backend = backend
+        self.where = store.url
+
+    def create(self, run_id: str, config: dict) -> Coordinator:
+        return Coordinator.create(self.store, run_id, config)
+
+    def open(self, run_id: str) -> Coordinator:
+        return Coordinator.open(self.store, run_id)
+
+    def latest_run_id(self, name: str) -> str:
+        return newest_run_id([r.to_dict() for r in list_runs(self.store)], name, self.where)
+
+    def run_dir(self, run_id: str) -> Path:
+        local = self.store.local_path(run_prefix(run_id))
+        return Path(local) if local else Path("runs") / run_id  # metrics stay on this machine
+
+    def checkpoints(self, coordinator: Coordinator, keep_last: int | None) -> "StoredCheckpoints":
+        return StoredCheckpoints(CheckpointStore(self.store, checkpoint_prefix(coordinator.run_id), keep_last=keep_last), self.backend)
+
+
+class StoredCheckpoints:
+    """A run's checkpoints in the client's storage; adapters are read off (and loaded onto) the backend."""
+
+    def __init__(self, store: CheckpointStore, backend: Backend):
+        self.store = store
+        self.backend = backend
+
+    def save(self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict) -> None:
+        def read(policy: CheckpointPolicy) -> dict[str, bytes]:
+            return call(self.backend, "save_state", SaveStateRequest(policy.worker_policy, True)).files
+
+        save_policies(self.store, step, policies, read, files, metadata)
+
+    def restore(self, policies: list[CheckpointPolicy], client_files: list[str]) -> RestoredCheckpoint:
+        def load(policy: CheckpointPolicy, files: dict[str, bytes], version: int) -> None:
+            call(self.backend, "load_state", LoadStateRequest(PolicyState(policy.worker_policy, files, version), True))
+
+        return restore_policies(self.store, policies, client_files, load)
+
+
+def newest_run_id(runs: list[dict], name: str, where: str) -> str:
+    """The id of the newest run named `name` among `runs` (state dicts, newest first)."""
+    for run in runs:
+        if run.get("config", {}).get("name") == name:
+            return run["run_id"]
+    raise UserError(
+        f"no run named {name!r} to resume in {where}",
+        hint="pass run_id=... (see `tinkerless runs`) or drop resume to start a new run",
+    )
+
+
+def run_host_for(backend: Backend, storage: str, storage_options: dict | None = None) -> RunHost:
+    """The backend's own host when it has one (a server keeps its runs), else runs in `storage`."""
+    hosted = getattr(backend, "run_host", None)
+    if callable(hosted):
+        return hosted(local_dir=storage if "://" not in storage else ".")
+    return StorageRunHost(ObjectStore(storage, **(storage_options or {})), backend)

@@ -1,0 +1,257 @@
+"""Runs hosted by the server: the coordinator and the checkpoints of every tenant's runs.
+
+    POST /v1/runs/call/{method}      a coordinator call (`RunCall` -> `RunReply`)
+    POST /v1/runs/list               the caller's runs (`RunListRequest` -> `RunList`)
+    POST /v1/runs/checkpoint/save    save a step (`SaveCheckpointRequest` -> `RunReply`)
+    POST /v1/runs/checkpoint/restore load the latest step (`RestoreCheckpointRequest` -> `RestoredCheckpoint`)
+
+Each tenant's runs live under ``tenants/<tenant>/runs/<run_id>/`` in the server's
+storage (`ObjectStore.child`), so a run id names a run only within its tenant. Open
+coordinators stay in memory, which is what lets a barrier wait here; after a restart
+they are reopened from ``state.json`` on first use. Checkpoint calls read and load the
+worker's adapters, so they run on the model's scheduler, in the client's call order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs
+from tinkerless.coordinator.policy_checkpoints import restore_policies, save_policies
+from tinkerless.coordinator.state import validate_run_id
+from tinkerless.errors import BarrierTimeout, CommitConflict, ProtocolError, ServerBusy, TinkerlessError, UserError
+from tinkerless.server.body import RequestTooLarge, read_body
+from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
+from tinkerless.server.scheduler import QueueFull, Scheduler
+from tinkerless.server.tenancy import tenant_prefix
+from tinkerless.storage import CheckpointStore, ObjectStore
+from tinkerless.wire import decode_message, encode_message
+from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK
+from tinkerless.wire.messages import LoadStateRequest, PolicyState, SaveStateRequest
+from tinkerless.wire.runs import (
+    CheckpointPolicy,
+    RestoreCheckpointRequest,
+    RunCall,
+    RunList,
+    RunListRequest,
+    RunReply,
+    SaveCheckpointRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+LONG_POLL_SECONDS = 20.0  # a barrier wait answers within this; the client asks again until its own timeout
+
+# The transitions a client may call on its run, with the arguments each takes.
+_TRANSITIONS: dict[str, tuple[str, ...]] = {
+    "begin_rollout": ("step", "participants"),
+    "submit_rollout": ("step", "participant"),
+    "wait_rollouts": ("step", "timeout"),
+    "begin_update": ("step",),
+    "commit_update": ("step", "metrics"),
+    "record_checkpoint": ("step",),
+    "reset_to_checkpoint": ("step", "config"),
+    "finish": ("status", "summary"),
+}
+
+
+@dataclass
+class _Hosted:
+    coordinator: Coordinator
+    lease: str
+
+
+class RunService:
+    """The coordinators and checkpoints of the runs that clients drive through this server."""
+
+    def __init__(self, store: ObjectStore, worker: Any, *, long_poll: float = LONG_POLL_SECONDS):
+        self.store = store
+        self.worker = worker
+        self.long_poll = long_poll
+        self._hosted: dict[tuple[str, str], _Hosted] = {}
+        self._lock = threading.Lock()
+
+    def tenant_store(self, tenant: str) -> ObjectStore:
+        return self.store.child(f"tenants/{tenant or '_'}")
+
+    # -- coordinator calls ---------------------------------------------------------------
+
+    def call(self, tenant: str, method: str, request: RunCall) -> RunReply:
+        run_id = validate_run_id(request.run_id)
+        store = self.tenant_store(tenant)
+        if method in ("create", "open"):
+            if method == "create":
+                coordinator = Coordinator.create(store, run_id, request.args.get("config") or {})
+            else:
+                coordinator = Coordinator.open(store, run_id)
+            lease = uuid.uuid4().hex  # whoever opened last drives the run
+            with self._lock:
+                self._hosted[(tenant, run_id)] = _Hosted(coordinator, lease)
+            return RunReply(coordinator.state.to_dict(), lease)
+        if method == "state":
+            with self._lock:
+                hosted = self._hosted.get((tenant, run_id))
+            state = hosted.coordinator.state if hosted else Coordinator.open(store, run_id).state
+            return RunReply(state.to_dict())
+        if method not in _TRANSITIONS:
+            raise ProtocolError(
+                f"unknown run call {method!r}",
+                hint=f"the server knows create, open, state and {', '.join(_TRANSITIONS)}; update the client or server",
+            )
+        unknown = set(request.args) - set(_TRANSITIONS[method])
+        if unknown:
+            raise ProtocolError(f"{method} takes {list(_TRANSITIONS[method])}, not {sorted(unknown)}")
+        hosted = self._driver(tenant, run_id, request.lease)
+        coordinator = hosted.coordinator
+        if method == "wait_rollouts":
+            return self._wait(coordinator, hosted.lease, **request.args)
+        try:
+            getattr(coordinator, method)(**request.args)
+        except TypeError as exc:  # a value of the wrong kind from a hand-made request
+            raise UserError(f"bad arguments for {method}: {exc}") from exc
+        if method == "finish":  # a finished run needs no barrier any more; reopened on demand
+            with self._lock:
+                self._hosted.pop((tenant, run_id), None)
+        return RunReply(coordinator.state.to_dict(), hosted.lease)
+
+    def _wait(self, coordinator: Coordinator, lease: str, step: int, timeout: float | None = None) -> RunReply:
+        poll = self.long_poll if timeout is None else min(float(timeout), self.long_poll)
+        try:
+            coordinator.wait_rollouts(step, timeout=poll)
+        except BarrierTimeout:
+            if timeout is not None and timeout <= self.long_poll:
+                raise  # the caller's own timeout ran out here
+            return RunReply(coordinator.state.to_dict(), lease, done=False)
+        return RunReply(coordinator.state.to_dict(), lease)
+
+    def _driver(self, tenant: str, run_id: str, lease: str | None) -> _Hosted:
+        """The open run that `lease` drives; a stale lease means another client took the run over."""
+        if not lease:
+            raise ProtocolError("this run call needs the lease from create or open", hint="open the run first")
+        with self._lock:
+            hosted = self._hosted.get((tenant, run_id))
+            if hosted is None:  # the server restarted (or the run finished): reopen from storage
+                hosted = _Hosted(Coordinator.open(self.tenant_store(tenant), run_id), lease)
+                self._hosted[(tenant, run_id)] = hosted
+        if hosted.lease != lease:
+            raise CommitConflict(
+                f"run {run_id!r} was opened by another client, which now drives it",
+                hint="two clients are running the same run id; stop one, then resume the run from its checkpoint",
+            )
+        return hosted
+
+    def list(self, tenant: str, request: RunListRequest) -> RunList:
+        runs = list_runs(self.tenant_store(tenant))
+        return RunList([r.to_dict() for r in runs if request.name is None or r.config.get("name") == request.name])
+
+    # -- checkpoints (on the scheduler's thread: they touch the worker) ------------------
+
+    def save_checkpoint(self, tenant: str, request: SaveCheckpointRequest) -> RunReply:
+        hosted = self._driver(tenant, validate_run_id(request.run_id), request.lease)
+
+        def read(policy: CheckpointPolicy) -> dict[str, bytes]:
+            return self.worker.save_state(SaveStateRequest(_on_worker(tenant, policy), True)).files
+
+        checkpoints = self._checkpoints(tenant, request.run_id, request.keep_last)
+        save_policies(checkpoints, request.step, request.policies, read, request.files, request.metadata)
+        return RunReply(hosted.coordinator.state.to_dict(), hosted.lease)
+
+    def restore_checkpoint(self, tenant: str, request: RestoreCheckpointRequest):
+        self._driver(tenant, validate_run_id(request.run_id), request.lease)
+
+        def load(policy: CheckpointPolicy, files: dict[str, bytes], version: int) -> None:
+            self.worker.load_state(LoadStateRequest(PolicyState(_on_worker(tenant, policy), files, version), True))
+
+        checkpoints = self._checkpoints(tenant, request.run_id, request.keep_last)
+        return restore_policies(checkpoints, request.policies, request.client_files, load)
+
+    def _checkpoints(self, tenant: str, run_id: str, keep_last: int | None) -> CheckpointStore:
+        return CheckpointStore(self.tenant_store(tenant), checkpoint_prefix(run_id), keep_last=keep_last)
+
+
+def _on_worker(tenant: str, policy: CheckpointPolicy) -> str:
+    """The worker's name for a tenant's policy, as /v1/call scopes it."""
+    return tenant_prefix(tenant) + policy.worker_policy if tenant else policy.worker_policy
+
+
+def make_router(
+    service: RunService,
+    scheduler: Scheduler,
+    tenant_of: Callable[[Request], str | None],
+    max_request_bytes: int,
+) -> APIRouter:
+    router = APIRouter()
+    # Coordinator calls never touch the model, and a barrier wait may block: their own threads.
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="tinkerless-runs")
+
+    async def answer(request: Request, expected: type, run: Callable[[str, Any], Any], ordered: bool) -> Response:
+        tenant = tenant_of(request)
+        if tenant is None:
+            return unauthorized()
+        stream = seq = None
+        try:
+            if ordered:
+                stream, seq = stream_of(request)
+            body = decode_message(await read_body(request, max_request_bytes))
+            if not isinstance(body, expected):
+                raise ProtocolError(
+                    f"expected a {expected.__name__}, got {type(body).__name__}", hint="use the matching client version"
+                )
+        except RequestTooLarge as exc:
+            if stream is not None:
+                scheduler.skip(tenant, stream, seq)
+            return error_response(413, ProtocolError(f"request body of {exc.size} bytes is over the limit of {exc.limit}"))
+        except ProtocolError as exc:
+            if stream is not None:
+                scheduler.skip(tenant, stream, seq)
+            return error_response(400, exc)
+        def timed() -> tuple[Any, float]:
+            started = time.perf_counter()
+            return run(tenant, body), time.perf_counter() - started
+
+        try:
+            if ordered:
+                future = scheduler.submit(timed, tenant=tenant, stream=stream, seq=seq)
+            else:
+                future = pool.submit(timed)
+            # Shielded: a dropped client must not cancel a checkpoint half-written.
+            reply, seconds = await asyncio.shield(asyncio.wrap_future(future))
+        except QueueFull as full:
+            return error_response(
+                429, ServerBusy(str(full)), headers={"Retry-After": str(int(round(full.retry_after)))}
+            )
+        except TinkerlessError as exc:
+            return error_response(status_of(exc), exc)
+        except Exception as exc:  # a bug here, not the caller's: say so, keep the server up
+            logger.exception("run call failed")
+            return error_response(500, TinkerlessError(f"{type(exc).__name__}: {exc}", hint="see the server's log"))
+        headers = {COMPUTE_SECONDS_HEADER: f"{seconds:.6f}"} if ordered else None  # checkpoints are billed work
+        return Response(content=encode_message(reply), media_type=MSGPACK, headers=headers)
+
+    @router.post("/v1/runs/call/{method}")
+    async def run_call(method: str, request: Request) -> Response:
+        return await answer(request, RunCall, lambda tenant, body: service.call(tenant, method, body), ordered=False)
+
+    @router.post("/v1/runs/list")
+    async def run_list(request: Request) -> Response:
+        return await answer(request, RunListRequest, service.list, ordered=False)
+
+    @router.post("/v1/runs/checkpoint/save")
+    async def save(request: Request) -> Response:
+        return await answer(request, SaveCheckpointRequest, service.save_checkpoint, ordered=True)
+
+    @router.post("/v1/runs/checkpoint/restore")
+    async def restore(request: Request) -> Response:
+        return await answer(request, RestoreCheckpointRequest, service.restore_checkpoint, ordered=True)
+
+    return router
