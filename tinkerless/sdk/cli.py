@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model", default="smollm2")
-    serve.add_argument("--storage", default=".", help="where API keys and Tinker checkpoints live (a directory or fsspec URL)")
+    serve.add_argument("--storage", default=".", help="where API keys, the runs driven through this server and Tinker checkpoints live (a directory or fsspec URL)")
     serve.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024, help="larger requests get HTTP 413")
     serve.add_argument("--max-pending", type=int, default=1024, help="queued calls before HTTP 429")
     serve.add_argument("--no-auth", action="store_true", help="accept calls without an API key (trusted networks only)")
