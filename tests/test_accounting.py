@@ -252,16 +252,22 @@ def test_http_run_bills_the_seconds_the_server_reports(tiny_model, tmp_path):
     sent: dict[str, list[float]] = defaultdict(list)
 
     def capture(response: httpx.Response) -> None:
-        sent[response.request.url.path.rsplit("/", 1)[-1]].append(float(response.headers[COMPUTE_SECONDS_HEADER]))
+        if COMPUTE_SECONDS_HEADER not in response.headers:
+            return  # coordinator calls: the run's state on the server, no compute
+        path = response.request.url.path
+        name = "save_checkpoint" if path == "/v1/runs/checkpoint/save" else path.rsplit("/", 1)[-1]
+        sent[name].append(float(response.headers[COMPUTE_SECONDS_HEADER]))
 
-    with serve_in_thread(create_app(Worker(tiny_model))) as url:
+    server = tmp_path / "server"
+    with serve_in_thread(create_app(Worker(tiny_model), storage=str(server))) as url:
         backend = HTTPBackend(url, timeout=120)
         backend._client.event_hooks["response"].append(capture)  # observe the real replies' headers
         result = _train(tiny_model, tmp_path, backend, run_id="acct-http")
 
-    usage = _run_summary(tmp_path, "acct-http")["usage"]
+    usage = _run_summary(server / "tenants/_", "acct-http")["usage"]  # the server keeps the run's state
     assert usage == result.usage
-    calls = {"info": 1, "create_policy": 1, "rollout": 2, "forward": 2, "update": 2, "save_state": 2}
+    # The server saves the checkpoints from its own worker: one save_checkpoint call per checkpoint.
+    calls = {"info": 1, "create_policy": 1, "rollout": 2, "forward": 2, "update": 2, "save_checkpoint": 2}
     _check_summary(usage, device="cpu", price_per_hour=0.0, calls=calls)  # device from the worker's info reply
     assert usage["measured_by"].startswith("the server") and usage["client_timed_calls"] == 0
     # what was billed per function is exactly what the server said in its headers

@@ -2,7 +2,8 @@
 version, `Phase`), enforces the rollout -> update barrier across a set of
 expected participants, and persists every transition to
 ``runs/<run_id>/state.json`` so a restarted process resumes; `list_runs`
-lists the runs in a store.
+lists the runs in a store; `policy_checkpoints` lays a run's policies out in
+one checkpoint (used by the client and by `tinkerless serve` alike).
 """
 
 from tinkerless.coordinator.coordinator import Coordinator, list_runs

@@ -5,6 +5,8 @@
 - `tasks.TaskSource`: static lists, JSONL files, generator functions;
 - `advantages`: group-relative advantage estimators (GRPO, Dr.GRPO);
 - `client.TrainingClient`: Tinker-style primitives against any backend;
-- `backends`: where functions run (`local` in-process, through the wire codec);
+- `backends`: where functions run (`local` in-process, through the wire codec;
+  `http_backend` on a `tinkerless serve` server);
+- `run_host`: where a run's coordinator and checkpoints live (`storage`, or the server: `server_runs`);
 - `trainer.train`: the RL loop; `metrics`: JSONL + PNG; `cli`: `tinkerless train|runs|eval`.
 """

@@ -39,8 +39,10 @@ class ServerRunHost:
         self.local_dir = Path(local_dir)
         self.where = f"{http.base_url} (the server's storage)"
 
-    def request(self, path: str, message: Any, *, ordered: bool = False) -> Any:
-        reply = decode_message(self.http.post(path, encode_message(message), label=path.rsplit("/", 1)[-1], ordered=ordered))
+    def request(self, path: str, message: Any, *, ordered: bool = False, label: str | None = None) -> Any:
+        """Send `message`; `ordered` calls run on the model in this client's order and are billed as `label`."""
+        label = label or path.rsplit("/", 1)[-1]
+        reply = decode_message(self.http.post(path, encode_message(message), label=label, ordered=ordered))
         if isinstance(reply, ErrorReply):
             raise_error_reply(reply, where=f"{self.http.base_url}{path}")
         return reply
@@ -136,12 +138,12 @@ class ServerCheckpoints:
         c = self.coordinator
         request = SaveCheckpointRequest(c.run_id, c.lease or "", step, policies, files, metadata, self.keep_last)
         # Ordered: the save must see every update this client sent before it.
-        _expect(self.host.request("/v1/runs/checkpoint/save", request, ordered=True), RunReply)
+        _expect(self.host.request("/v1/runs/checkpoint/save", request, ordered=True, label="save_checkpoint"), RunReply)
 
     def restore(self, policies: list[CheckpointPolicy], client_files: list[str]) -> RestoredCheckpoint:
         c = self.coordinator
         request = RestoreCheckpointRequest(c.run_id, c.lease or "", policies, client_files, self.keep_last)
-        reply = self.host.request("/v1/runs/checkpoint/restore", request, ordered=True)
+        reply = self.host.request("/v1/runs/checkpoint/restore", request, ordered=True, label="restore_checkpoint")
         _expect(reply, RestoredCheckpoint)
         return reply
 

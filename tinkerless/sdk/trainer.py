@@ -3,6 +3,8 @@
 Per step: rollout (functions) → group-relative advantages (client) →
 optional forward for TIS/KL (functions) → update (functions) → commit
 (coordinator) → metrics and, every N steps, a verified checkpoint (storage).
+The coordinator and checkpoints live where the `RunHost` says: in `storage`, or on
+the `tinkerless serve` server the backend talks to.
 The backend's compute seconds are attributed to the phase they ran in and priced
 (`accounting.RunUsage`): per step in the metrics, per run in the coordinator summary.
 """

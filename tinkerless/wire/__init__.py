@@ -2,7 +2,8 @@
 
 - `encode_message` / `decode_message`: versioned msgpack envelopes with compact arrays.
 - `pack_code` / `unpack_code`: user code by value (cloudpickle) in `CodeBlob` fields.
-- `messages`: the requests and replies of the rollout, forward and update functions.
+- `messages`: the requests and replies of the rollout, forward and update functions;
+- `runs`: coordinator calls and checkpoints of a run hosted by a server.
 """
 
 from tinkerless.wire.code import CodeBlob, pack_code, unpack_code
