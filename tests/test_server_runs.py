@@ -226,3 +226,37 @@ def test_a_killed_http_client_resumes_from_the_servers_checkpoint(tiny_model, tm
         assert (expected[name] == actual[name]).all(), f"{name} differs after resume"
     assert _rewards(client, "killed") == _rewards(client, "straight")
     assert not (client / "runs/killed/checkpoints").exists() and not os.path.exists(client / "runs/killed/state.json")
+
+
+def test_a_multi_agent_run_through_the_server_resumes_like_a_local_one(tiny_model, tmp_path):
+    """Three policies, their barrier on the server, checkpoints with one adapter per policy, a resume."""
+    from tinkerless.envs.gomoku import GomokuEnv
+    from tinkerless.functions.worker import Worker
+    from tinkerless.sdk.backends import LocalBackend
+
+    def run(storage: Path, backend, steps: int, **extra):
+        return tinkerless.train(
+            model=tiny_model, env=GomokuEnv, tasks=[{"size": 4, "win_length": 3, "max_invalid": 1}],
+            agents=tinkerless.round_robin(["p", "q", "s"], roles=("black", "white")), steps=steps, batch_size=1,
+            group_size=2, max_turns=8, max_tokens=4, temperature=1.0, storage=str(storage), progress=False,
+            checkpoint_every=1, run_id="ma", seed=3, backend=backend, **extra,
+        )
+
+    local = run(tmp_path / "local", LocalBackend(tiny_model), steps=3)
+    server = tmp_path / "server"
+    with running(create_app(Worker(tiny_model), storage=str(server))) as url:
+        run(tmp_path / "client", HTTPBackend(url), steps=2)
+        resumed = run(tmp_path / "client", HTTPBackend(url), steps=3, resume=True)
+
+    assert [r["reward_mean"] for r in resumed.metrics] == [r["reward_mean"] for r in local.metrics]
+    for step in range(3):
+        events = [(e, p) for s, e, p in resumed.events if s == step]
+        if events:  # the resumed process saw step 2 only
+            assert max(i for i, (e, _) in enumerate(events) if e == "rollouts_in") < min(
+                i for i, (e, _) in enumerate(events) if e == "update_start"
+            )
+    ours = CheckpointStore(ObjectStore(str(server / "tenants/_")), "runs/ma/checkpoints").load(3).files
+    theirs = CheckpointStore(ObjectStore(str(tmp_path / "local")), "runs/ma/checkpoints").load(3).files
+    adapters = sorted(k for k in theirs if k.endswith("adapter_model.safetensors"))
+    assert adapters == [f"policies/{p}/adapter/adapter_model.safetensors" for p in "pqs"]
+    assert all(ours[k] == theirs[k] for k in adapters)
