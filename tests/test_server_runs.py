@@ -19,8 +19,9 @@ from safetensors.torch import load as load_safetensors
 
 import tinkerless
 from tinkerless.coordinator.policy_checkpoints import restore_policies, save_policies
-from tinkerless.errors import BarrierTimeout, CommitConflict, CorruptCheckpoint, PhaseError, UserError
+from tinkerless.errors import BarrierTimeout, CommitConflict, CorruptCheckpoint, PhaseError, StorageNotFound, UserError
 from tinkerless.sdk.cli import main
+from tinkerless.sdk.evaluate import evaluate
 from tinkerless.sdk.http_backend import HTTPBackend
 from tinkerless.sdk.server_runs import ServerRunHost
 from tinkerless.server import create_app
@@ -84,6 +85,19 @@ def test_tenants_keep_their_own_runs(tiny_model, worker, tmp_path, capsys, monke
         assert main(["runs", "--server", url]) == 0
         out = capsys.readouterr().out
         assert "shared" in out and "finished" in out
+
+        # `tinkerless eval` of a server-hosted run: the server loads the checkpoint from its own storage.
+        config = tinkerless.TrainConfig(
+            model=tiny_model, reward=lambda c, t: float(len(c) % 3), tasks=[{"prompt": "hi"}], max_tokens=4,
+            backend=url, storage=str(tmp_path / "nothing-here"),
+        )
+        report = evaluate(config, run_id="shared", step=1, episodes=2)
+        assert report.source == "run shared step 1" and len(report.rewards) == 2
+        with pytest.raises(StorageNotFound, match="step 5"):
+            evaluate(config, run_id="shared", step=5, episodes=2)
+        monkeypatch.setenv("TINKERLESS_API_KEY", keys.create("carol"))
+        with pytest.raises(UserError, match="does not exist"):
+            evaluate(config, run_id="shared", episodes=2)
 
 
 def test_the_barrier_lives_on_the_server(worker, tmp_path):

@@ -38,9 +38,10 @@ def restore_policies(
     policies: list[CheckpointPolicy],
     client_files: list[str],
     load_state: Callable[[CheckpointPolicy, dict[str, bytes], int], None],
+    step: int | None = None,
 ) -> RestoredCheckpoint:
-    """Load the latest valid checkpoint into `policies`; the `client_files` come back to the caller."""
-    checkpoint = checkpoints.load_latest()
+    """Load checkpoint `step` (default: the latest valid one) into `policies`; the `client_files` come back."""
+    checkpoint = checkpoints.load(step) if step is not None else checkpoints.load_latest()
     if checkpoint is None:
         return RestoredCheckpoint(step=None)
     files = dict(checkpoint.files)

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tinkerless.coordinator import checkpoint_prefix
 from tinkerless.envs.base import is_multi_agent
 from tinkerless.errors import ConfigError, UserError
-from tinkerless.sdk.backends import make_backend
+from tinkerless.sdk.backends import Backend, make_backend
 from tinkerless.sdk.client import TrainingClient
 from tinkerless.sdk.config import TrainConfig
+from tinkerless.sdk.run_host import run_host_for
 from tinkerless.sdk.tasks import TaskSource
 from tinkerless.sdk.trainer import CLIENT_STATE_FILE
-from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.wire import pack_code
 from tinkerless.wire.messages import BASE_POLICY, EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
+from tinkerless.wire.runs import CheckpointPolicy
 
 
 @dataclass
@@ -45,18 +44,13 @@ def adapter_files(adapter: str) -> dict[str, bytes]:
     return {f"adapter/{p.name}": p.read_bytes() for p in directory.iterdir() if p.is_file()}
 
 
-def load_policy_state(config: TrainConfig, *, run_id: str | None, step: int | None, adapter: str | None) -> PolicyState | None:
-    if adapter:
-        return PolicyState("default", adapter_files(adapter))
-    if run_id is None:
-        return None
-    checkpoints = CheckpointStore(ObjectStore(config.storage, **(config.storage_options or {})), checkpoint_prefix(run_id))
-    checkpoint = checkpoints.load(step) if step is not None else checkpoints.load_latest()
-    if checkpoint is None:
-        raise UserError(f"run {run_id!r} has no valid checkpoint in {config.storage}", hint="see `tinkerless runs`")
-    client_state = json.loads(checkpoint.files.pop(CLIENT_STATE_FILE, b"{}") or b"{}")
-    version = client_state.get("policy_versions", {}).get("default", 0)
-    return PolicyState("default", checkpoint.files, version)
+def load_checkpoint(backend: Backend, config: TrainConfig, run_id: str, step: int | None) -> None:
+    """Load run `run_id`'s checkpoint into the worker's "default" policy, from wherever the run lives
+    (`storage`, or the server the backend talks to, which loads it from its own storage)."""
+    host = run_host_for(backend, config.storage, config.storage_options)
+    restored = host.checkpoints(run_id).restore([CheckpointPolicy("default", "", "default")], [CLIENT_STATE_FILE], step)
+    if restored.step is None:
+        raise UserError(f"run {run_id!r} has no valid checkpoint in {host.where}", hint="see `tinkerless runs`")
 
 
 def evaluate(
@@ -73,12 +67,15 @@ def evaluate(
             f"`tinkerless eval` runs single-agent envs; {config.env.__qualname__} is multi-agent",
             hint="train with the opponent you want to measure against (e.g. tinkerless.Frozen(...)) and read its win rates",
         )
-    state = load_policy_state(config, run_id=run_id, step=step, adapter=adapter)
     backend = make_backend(config.backend, config.model, engine=config.engine)
     policy = BASE_POLICY
-    if state is not None:
-        client = TrainingClient(backend, "default", create=False)
-        client.load_state(state, include_optimizer=False)
+    if adapter:
+        TrainingClient(backend, "default", create=False).load_state(
+            PolicyState("default", adapter_files(adapter)), include_optimizer=False
+        )
+        policy = "default"
+    elif run_id is not None:
+        load_checkpoint(backend, config, run_id, step)
         policy = "default"
     client = TrainingClient(backend, policy, create=False)
     tasks, _ = TaskSource(config.tasks, seed=seed).batch(0, episodes)

@@ -29,7 +29,9 @@ from tinkerless.wire.runs import CheckpointPolicy, RestoredCheckpoint
 class RunCheckpoints(Protocol):
     def save(self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict) -> None: ...
 
-    def restore(self, policies: list[CheckpointPolicy], client_files: list[str]) -> RestoredCheckpoint: ...
+    def restore(
+        self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None
+    ) -> RestoredCheckpoint: ...
 
 
 class RunHost(Protocol):
@@ -43,7 +45,9 @@ class RunHost(Protocol):
 
     def run_dir(self, run_id: str) -> Path: ...  # a local directory for the run's metrics and plots
 
-    def checkpoints(self, coordinator: Any, keep_last: int | None) -> RunCheckpoints: ...
+    def checkpoints(self, run_id: str, keep_last: int | None = None, coordinator: Any = None) -> RunCheckpoints:
+        """The run's checkpoints; saving (and resuming) goes through the run's `coordinator`."""
+        ...
 
 
 class StorageRunHost:
@@ -67,8 +71,10 @@ class StorageRunHost:
         local = self.store.local_path(run_prefix(run_id))
         return Path(local) if local else Path("runs") / run_id  # metrics stay on this machine
 
-    def checkpoints(self, coordinator: Coordinator, keep_last: int | None) -> "StoredCheckpoints":
-        return StoredCheckpoints(CheckpointStore(self.store, checkpoint_prefix(coordinator.run_id), keep_last=keep_last), self.backend)
+    def checkpoints(
+        self, run_id: str, keep_last: int | None = None, coordinator: Coordinator | None = None
+    ) -> "StoredCheckpoints":
+        return StoredCheckpoints(CheckpointStore(self.store, checkpoint_prefix(run_id), keep_last=keep_last), self.backend)
 
 
 class StoredCheckpoints:
@@ -84,11 +90,13 @@ class StoredCheckpoints:
 
         save_policies(self.store, step, policies, read, files, metadata)
 
-    def restore(self, policies: list[CheckpointPolicy], client_files: list[str]) -> RestoredCheckpoint:
+    def restore(
+        self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None
+    ) -> RestoredCheckpoint:
         def load(policy: CheckpointPolicy, files: dict[str, bytes], version: int) -> None:
             call(self.backend, "load_state", LoadStateRequest(PolicyState(policy.worker_policy, files, version), True))
 
-        return restore_policies(self.store, policies, client_files, load)
+        return restore_policies(self.store, policies, client_files, load, step)
 
 
 def newest_run_id(runs: list[dict], name: str, where: str) -> str:

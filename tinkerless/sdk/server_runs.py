@@ -65,8 +65,10 @@ class ServerRunHost:
     def run_dir(self, run_id: str) -> Path:
         return self.local_dir / "runs" / validate_run_id(run_id)
 
-    def checkpoints(self, coordinator: "RemoteCoordinator", keep_last: int | None) -> "ServerCheckpoints":
-        return ServerCheckpoints(self, coordinator, keep_last)
+    def checkpoints(
+        self, run_id: str, keep_last: int | None = None, coordinator: "RemoteCoordinator | None" = None
+    ) -> "ServerCheckpoints":
+        return ServerCheckpoints(self, run_id, keep_last, coordinator)
 
 
 class RemoteCoordinator:
@@ -127,22 +129,27 @@ class RemoteCoordinator:
 
 
 class ServerCheckpoints:
-    """A run's checkpoints on the server: it reads the adapters off its own worker and stores them."""
+    """A run's checkpoints on the server: it reads the adapters off its own worker and stores them.
 
-    def __init__(self, host: ServerRunHost, coordinator: RemoteCoordinator, keep_last: int | None):
+    With the run's `coordinator` (its driver's lease) it saves and resumes; without, it only loads."""
+
+    def __init__(self, host: ServerRunHost, run_id: str, keep_last: int | None, coordinator: RemoteCoordinator | None):
         self.host = host
-        self.coordinator = coordinator
+        self.run_id = validate_run_id(run_id)
         self.keep_last = keep_last
+        self.coordinator = coordinator
 
     def save(self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict) -> None:
-        c = self.coordinator
-        request = SaveCheckpointRequest(c.run_id, c.lease or "", step, policies, files, metadata, self.keep_last)
+        lease = self.coordinator.lease if self.coordinator else None
+        request = SaveCheckpointRequest(self.run_id, lease or "", step, policies, files, metadata, self.keep_last)
         # Ordered: the save must see every update this client sent before it.
         _expect(self.host.request("/v1/runs/checkpoint/save", request, ordered=True, label="save_checkpoint"), RunReply)
 
-    def restore(self, policies: list[CheckpointPolicy], client_files: list[str]) -> RestoredCheckpoint:
-        c = self.coordinator
-        request = RestoreCheckpointRequest(c.run_id, c.lease or "", policies, client_files, self.keep_last)
+    def restore(
+        self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None
+    ) -> RestoredCheckpoint:
+        lease = self.coordinator.lease if self.coordinator else None
+        request = RestoreCheckpointRequest(self.run_id, lease, policies, client_files, self.keep_last, step)
         reply = self.host.request("/v1/runs/checkpoint/restore", request, ordered=True, label="restore_checkpoint")
         _expect(reply, RestoredCheckpoint)
         return reply

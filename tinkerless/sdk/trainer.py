@@ -105,7 +105,7 @@ class _Run:
             self.backend.close()
             raise
         self.run_id = self.coordinator.run_id
-        self.checkpoints = self.host.checkpoints(self.coordinator, config.keep_checkpoints)
+        self.checkpoints = self.host.checkpoints(self.run_id, config.keep_checkpoints, self.coordinator)
         self.run_dir = self.host.run_dir(self.run_id)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
-from tinkerless.errors import BarrierTimeout, PhaseError, ProtocolError, TinkerlessError, UserError
+from tinkerless.errors import BarrierTimeout, PhaseError, ProtocolError, StorageNotFound, TinkerlessError, UserError
 from tinkerless.wire import encode_message
 from tinkerless.wire.http import MSGPACK, SEQ_HEADER, STREAM_HEADER
 from tinkerless.wire.messages import ErrorReply
@@ -17,9 +17,11 @@ def error_response(status: int, exc: TinkerlessError, headers: dict[str, str] | 
 
 
 def status_of(exc: TinkerlessError) -> int:
-    """409 for a run in another state than the call needs, else 400 (user) or 500 (server)."""
+    """409 for a run in another state than the call needs, 404 for a missing object, else 400 (user) or 500."""
     if isinstance(exc, (PhaseError, BarrierTimeout)):
         return 409
+    if isinstance(exc, StorageNotFound):
+        return 404
     return 400 if exc.category == "user" else 500
 
 

@@ -28,7 +28,7 @@ from fastapi.responses import Response
 
 from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs
 from tinkerless.coordinator.policy_checkpoints import restore_policies, save_policies
-from tinkerless.coordinator.state import validate_run_id
+from tinkerless.coordinator.state import state_key, validate_run_id
 from tinkerless.errors import BarrierTimeout, CommitConflict, ProtocolError, ServerBusy, TinkerlessError, UserError
 from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
@@ -167,13 +167,17 @@ class RunService:
         return RunReply(hosted.coordinator.state.to_dict(), hosted.lease)
 
     def restore_checkpoint(self, tenant: str, request: RestoreCheckpointRequest):
-        self._driver(tenant, validate_run_id(request.run_id), request.lease)
+        validate_run_id(request.run_id)
+        if request.lease is not None:  # the run's driver resuming it; without a lease, a read (eval)
+            self._driver(tenant, request.run_id, request.lease)
+        elif not self.tenant_store(tenant).exists(state_key(request.run_id)):
+            raise UserError(f"run {request.run_id!r} does not exist on this server", hint="see `tinkerless runs --server URL`")
 
         def load(policy: CheckpointPolicy, files: dict[str, bytes], version: int) -> None:
             self.worker.load_state(LoadStateRequest(PolicyState(_on_worker(tenant, policy), files, version), True))
 
         checkpoints = self._checkpoints(tenant, request.run_id, request.keep_last)
-        return restore_policies(checkpoints, request.policies, request.client_files, load)
+        return restore_policies(checkpoints, request.policies, request.client_files, load, request.step)
 
     def _checkpoints(self, tenant: str, run_id: str, keep_last: int | None) -> CheckpointStore:
         return CheckpointStore(self.tenant_store(tenant), checkpoint_prefix(run_id), keep_last=keep_last)

@@ -66,13 +66,15 @@ class SaveCheckpointRequest:
 
 @dataclass
 class RestoreCheckpointRequest:
-    """Load the run's latest valid checkpoint into the worker's policies and return the client's files."""
+    """Load a checkpoint of the run (default: its latest valid one) into the worker's policies
+    and return the client's files. Without a lease it only reads the run (`tinkerless eval`)."""
 
     run_id: str
-    lease: str
+    lease: str | None
     policies: list[CheckpointPolicy]
     client_files: list[str]  # files that belong to the client, not to a policy
     keep_last: int | None = None
+    step: int | None = None
 
 
 @dataclass
