@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from tinkerless.coordinator import RunState
+from tinkerless.coordinator import Phase, RunState
 from tinkerless.coordinator.state import validate_run_id
 from tinkerless.errors import BarrierTimeout, ProtocolError
 from tinkerless.sdk.backends import raise_error_reply
@@ -95,6 +95,9 @@ class RemoteCoordinator:
         self._call("submit_rollout", step=step, participant=participant)
 
     def wait_rollouts(self, step: int, timeout: float | None = None) -> None:
+        s = self.state
+        if s.step == step and s.phase == Phase.ROLLOUT and not s.missing_rollouts():
+            return  # the last reply already showed the barrier complete; it cannot reopen within a step
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -114,7 +117,8 @@ class RemoteCoordinator:
         self._call("commit_update", step=step, metrics=metrics)
 
     def record_checkpoint(self, step: int) -> None:
-        self._call("record_checkpoint", step=step)
+        if self.state.last_checkpoint_step != step:  # the server records the checkpoints it saves itself
+            self._call("record_checkpoint", step=step)
 
     def reset_to_checkpoint(self, step: int, config: dict | None = None) -> None:
         self._call("reset_to_checkpoint", step=step, config=config)
@@ -143,7 +147,10 @@ class ServerCheckpoints:
         lease = self.coordinator.lease if self.coordinator else None
         request = SaveCheckpointRequest(self.run_id, lease or "", step, policies, files, metadata, self.keep_last)
         # Ordered: the save must see every update this client sent before it.
-        _expect(self.host.request("/v1/runs/checkpoint/save", request, ordered=True, label="save_checkpoint"), RunReply)
+        reply = self.host.request("/v1/runs/checkpoint/save", request, ordered=True, label="save_checkpoint")
+        _expect(reply, RunReply)
+        if self.coordinator is not None:
+            self.coordinator.state = RunState.from_dict(reply.state)  # now naming this checkpoint
 
     def restore(
         self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None

@@ -164,6 +164,7 @@ class RunService:
 
         checkpoints = self._checkpoints(tenant, request.run_id, request.keep_last)
         save_policies(checkpoints, request.step, request.policies, read, request.files, request.metadata)
+        hosted.coordinator.record_checkpoint(request.step)  # the run's state names its checkpoint at once
         return RunReply(hosted.coordinator.state.to_dict(), hosted.lease)
 
     def restore_checkpoint(self, tenant: str, request: RestoreCheckpointRequest):
