@@ -109,7 +109,7 @@ def test_the_barrier_lives_on_the_server(worker, tmp_path):
         run = host.create("barrier", {"name": "b"})
         run.begin_rollout(0, ["a", "b"])
         run.submit_rollout(0, "a")
-        with pytest.raises(BarrierTimeout, match=r"still missing: \['b'\]"):
+        with pytest.raises(BarrierTimeout, match=r"within 0.5s; still missing: \['b'\]"):
             run.wait_rollouts(0, timeout=0.5)
 
         def submit_b_later():

@@ -99,16 +99,20 @@ class RemoteCoordinator:
         if s.step == step and s.phase == Phase.ROLLOUT and not s.missing_rollouts():
             return  # the last reply already showed the barrier complete; it cannot reopen within a step
         deadline = None if timeout is None else time.monotonic() + timeout
+        timed_out = BarrierTimeout(
+            f"rollouts of step {step} did not complete within {timeout}s",
+            hint="check that those rollout workers are alive and call submit_rollout, or raise the timeout",
+        )
         while True:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            if self._call("wait_rollouts", step=step, timeout=remaining).done:
+            try:
+                done = self._call("wait_rollouts", step=step, timeout=remaining).done
+            except BarrierTimeout as last_poll:  # the server's last poll ran out with our deadline
+                raise BarrierTimeout(f"{timed_out.message}; {last_poll.message.split('; ', 1)[-1]}", hint=timed_out.hint) from None
+            if done:
                 return
-            if deadline is not None and time.monotonic() >= deadline:  # the server's poll ended with ours
-                raise BarrierTimeout(
-                    f"rollouts of step {step} did not complete within {timeout}s; "
-                    f"still missing: {self.state.missing_rollouts()}",
-                    hint="check that those rollout workers are alive and call submit_rollout, or raise the timeout",
-                )
+            if deadline is not None and time.monotonic() >= deadline:
+                raise BarrierTimeout(f"{timed_out.message}; still missing: {self.state.missing_rollouts()}", hint=timed_out.hint)
 
     def begin_update(self, step: int) -> None:
         self._call("begin_update", step=step)
