@@ -160,6 +160,10 @@ def test_run_calls_answer_typed_errors(worker, tmp_path):
         )
         reply = decode_message(phase.content)
         assert phase.status_code == 409 and isinstance(reply, ErrorReply) and reply.type == "PhaseError"
+        missing = httpx.post(
+            f"{url}/v1/runs/call/wait_rollouts", content=encode_message(RunCall("typed", {}, run.lease)), headers=headers
+        )
+        assert missing.status_code == 400 and "bad arguments for wait_rollouts" in decode_message(missing.content).error
 
 
 def test_policy_checkpoint_layout_round_trips(tmp_path):

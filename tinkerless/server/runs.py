@@ -113,11 +113,11 @@ class RunService:
             raise ProtocolError(f"{method} takes {list(_TRANSITIONS[method])}, not {sorted(unknown)}")
         hosted = self._driver(tenant, run_id, request.lease)
         coordinator = hosted.coordinator
-        if method == "wait_rollouts":
-            return self._wait(coordinator, hosted.lease, **request.args)
         try:
+            if method == "wait_rollouts":
+                return self._wait(coordinator, hosted.lease, **request.args)
             getattr(coordinator, method)(**request.args)
-        except TypeError as exc:  # a value of the wrong kind from a hand-made request
+        except TypeError as exc:  # a missing argument, or a value of the wrong kind, from a hand-made request
             raise UserError(f"bad arguments for {method}: {exc}") from exc
         if method == "finish":  # a finished run needs no barrier any more; reopened on demand
             with self._lock:
