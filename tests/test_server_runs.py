@@ -95,6 +95,13 @@ def test_tenants_keep_their_own_runs(tiny_model, worker, tmp_path, capsys, monke
         assert report.source == "run shared step 1" and len(report.rewards) == 2
         with pytest.raises(StorageNotFound, match="step 5"):
             evaluate(config, run_id="shared", step=5, episodes=2)
+        example = tmp_path / "short.py"
+        example.write_text(
+            f"import tinkerless\nconfig = tinkerless.TrainConfig(model={tiny_model!r}, "
+            "reward=lambda c, t: 1.0, tasks=[{'prompt': 'hi'}], max_tokens=4)\n"
+        )
+        assert main(["eval", str(example), "--backend", url, "--run-id", "shared", "--episodes", "2"]) == 0
+        assert "run shared: mean reward 1.000 over 2 episodes" in capsys.readouterr().out
         monkeypatch.setenv("TINKERLESS_API_KEY", keys.create("carol"))
         with pytest.raises(UserError, match="does not exist"):
             evaluate(config, run_id="shared", episodes=2)

@@ -119,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     evaluate.add_argument("--adapter", help="a PEFT adapter directory instead of a run checkpoint")
     evaluate.add_argument("--storage", default=None)
+    evaluate.add_argument("--backend", default=None, help="e.g. http://host:port: a run hosted by that server")
     evaluate.add_argument("--model", default=None)
     evaluate.add_argument("--episodes", type=int, default=32)
     evaluate.add_argument("--temperature", type=float, default=None)
@@ -249,7 +250,8 @@ def _eval(args) -> int:
     from tinkerless.sdk.evaluate import evaluate
 
     config = load_config(args.file)
-    changes = {k: v for k, v in (("storage", args.storage), ("model", args.model), ("temperature", args.temperature)) if v}
+    given = (("storage", args.storage), ("backend", args.backend), ("model", args.model), ("temperature", args.temperature))
+    changes = {k: v for k, v in given if v}
     config = config.replace(**changes)
     report = evaluate(config, run_id=args.run_id, step=args.step, adapter=args.adapter, episodes=args.episodes, seed=args.seed)
     print(report.describe())
