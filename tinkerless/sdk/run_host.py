@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs, run_prefix
+from tinkerless.coordinator import Coordinator, RunState, checkpoint_prefix, list_runs, run_prefix
 from tinkerless.coordinator.policy_checkpoints import restore_policies, save_policies
 from tinkerless.errors import UserError
 from tinkerless.sdk.backends import Backend, call
@@ -65,7 +65,7 @@ class StorageRunHost:
         return Coordinator.open(self.store, run_id)
 
     def latest_run_id(self, name: str) -> str:
-        return newest_run_id([r.to_dict() for r in list_runs(self.store)], name, self.where)
+        return newest_run_id(list_runs(self.store), name, self.where)
 
     def run_dir(self, run_id: str) -> Path:
         local = self.store.local_path(run_prefix(run_id))
@@ -99,11 +99,11 @@ class StoredCheckpoints:
         return restore_policies(self.store, policies, client_files, load, step)
 
 
-def newest_run_id(runs: list[dict], name: str, where: str) -> str:
-    """The id of the newest run named `name` among `runs` (state dicts, newest first)."""
+def newest_run_id(runs: list[RunState], name: str, where: str) -> str:
+    """The id of the newest run named `name` among `runs` (newest first)."""
     for run in runs:
-        if run.get("config", {}).get("name") == name:
-            return run["run_id"]
+        if run.config.get("name") == name:
+            return run.run_id
     raise UserError(
         f"no run named {name!r} to resume in {where}",
         hint="pass run_id=... (see `tinkerless runs`) or drop resume to start a new run",

@@ -60,7 +60,7 @@ class ServerRunHost:
         return [RunState.from_dict(run) for run in reply.runs]
 
     def latest_run_id(self, name: str) -> str:
-        return newest_run_id([r.to_dict() for r in self.list(name)], name, self.where)
+        return newest_run_id(self.list(name), name, self.where)
 
     def run_dir(self, run_id: str) -> Path:
         return self.local_dir / "runs" / validate_run_id(run_id)
@@ -99,20 +99,16 @@ class RemoteCoordinator:
         if s.step == step and s.phase == Phase.ROLLOUT and not s.missing_rollouts():
             return  # the last reply already showed the barrier complete; it cannot reopen within a step
         deadline = None if timeout is None else time.monotonic() + timeout
-        timed_out = BarrierTimeout(
-            f"rollouts of step {step} did not complete within {timeout}s",
-            hint="check that those rollout workers are alive and call submit_rollout, or raise the timeout",
-        )
-        while True:
+        while True:  # each call is one server-side poll; the deadline is ours alone
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            try:
-                done = self._call("wait_rollouts", step=step, timeout=remaining).done
-            except BarrierTimeout as last_poll:  # the server's last poll ran out with our deadline
-                raise BarrierTimeout(f"{timed_out.message}; {last_poll.message.split('; ', 1)[-1]}", hint=timed_out.hint) from None
-            if done:
+            if self._call("wait_rollouts", step=step, timeout=remaining).done:
                 return
             if deadline is not None and time.monotonic() >= deadline:
-                raise BarrierTimeout(f"{timed_out.message}; still missing: {self.state.missing_rollouts()}", hint=timed_out.hint)
+                raise BarrierTimeout(
+                    f"rollouts of step {step} did not complete within {timeout}s; "
+                    f"still missing: {self.state.missing_rollouts()} (submitted: {self.state.rollouts_submitted})",
+                    hint="check that those rollout workers are alive and call submit_rollout, or raise the timeout",
+                )
 
     def begin_update(self, step: int) -> None:
         self._call("begin_update", step=step)

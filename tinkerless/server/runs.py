@@ -125,12 +125,12 @@ class RunService:
         return RunReply(coordinator.state.to_dict(), hosted.lease)
 
     def _wait(self, coordinator: Coordinator, lease: str, step: int, timeout: float | None = None) -> RunReply:
+        """One poll of the barrier: `done=False` when it is still open after the poll; the client,
+        which knows its own deadline, decides whether to poll again or give up."""
         poll = self.long_poll if timeout is None else min(float(timeout), self.long_poll)
         try:
             coordinator.wait_rollouts(step, timeout=poll)
         except BarrierTimeout:
-            if timeout is not None and timeout <= self.long_poll:
-                raise  # the caller's own timeout ran out here
             return RunReply(coordinator.state.to_dict(), lease, done=False)
         return RunReply(coordinator.state.to_dict(), lease)
 
