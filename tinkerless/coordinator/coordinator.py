@@ -141,7 +141,7 @@ class Coordinator:
                 s = self.state
                 if step < s.step or (step == s.step and s.phase == Phase.UPDATE):
                     return  # this step's rollouts were all in already
-                if s.phase in (Phase.DONE, Phase.FAILED):
+                if s.phase in (Phase.DONE, Phase.FAILED, Phase.INTERRUPTED):
                     raise PhaseError(
                         f"stopped waiting for the rollouts of step {step}: run {s.run_id!r} is {s.status}",
                         hint=_RESUME_HINT,
@@ -233,6 +233,7 @@ class Coordinator:
             s.policy_version = step
             s.phase = Phase.IDLE
             s.status = "running"
+            s.heartbeat_at = time.time()  # a resumed run is alive now, whatever its last attempt left
             s.last_checkpoint_step = step
             s.rollout_participants = []
             s.rollouts_submitted = []
@@ -243,18 +244,33 @@ class Coordinator:
         self._transition(apply)
 
     def finish(self, status: str = "finished", summary: dict | None = None) -> None:
-        """End the run as finished or failed, merging `summary` into the state's summary."""
+        """End the run as finished, failed or interrupted, merging `summary` into the state's summary."""
         if status not in STATUSES or status == "running":
             raise UserError(
-                f"finish() status must be 'finished' or 'failed', got {status!r}",
-                hint="use finish('failed', {...}) when the run errored",
+                f"finish() status must be 'finished', 'failed' or 'interrupted', got {status!r}",
+                hint="use finish('failed', {...}) when the run errored, finish('interrupted') when it was stopped",
             )
         _require_json(summary, "finish summary")
 
         def apply(s: RunState) -> None:
             s.status = status
-            s.phase = Phase.DONE if status == "finished" else Phase.FAILED
+            s.phase = {"finished": Phase.DONE, "interrupted": Phase.INTERRUPTED}.get(status, Phase.FAILED)
             s.summary.update(summary or {})
+
+        self._transition(apply)
+
+    def heartbeat(self, interval: float) -> None:
+        """The driver is alive and beats every `interval` seconds; a run that stopped running ignores it."""
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval <= 86400:
+            raise UserError(
+                f"heartbeat needs an interval in seconds (0 < interval <= 86400), got {interval!r}",
+                hint="send the seconds between your heartbeats, e.g. 30",
+            )
+
+        def apply(s: RunState) -> None:
+            if s.status == "running":
+                s.heartbeat_at = time.time()
+                s.heartbeat_interval = float(interval)
 
         self._transition(apply)
 
@@ -357,7 +373,10 @@ def _load_state(store: ObjectStore, run_id: str, with_version: bool = False):
 
 
 def list_runs(store: ObjectStore) -> list[RunState]:
-    """Every run in the store, newest first; unreadable state files are skipped with a log warning."""
+    """Every run in the store, newest first; unreadable state files are skipped with a log warning.
+
+    A run still marked running whose heartbeat is stale is listed as interrupted (the stored
+    state is left as it is: resuming the run is what changes it)."""
     runs: list[RunState] = []
     for key in store.list(RUNS_PREFIX):
         parts = key.split("/")
@@ -367,5 +386,9 @@ def list_runs(store: ObjectStore) -> list[RunState]:
             runs.append(_load_state(store, parts[1]))
         except (StorageError, UserError) as e:
             logger.warning("skipping run %r in listing: %s", parts[1], e)
+    now = time.time()
+    for run in runs:
+        if run.heartbeat_stale(now):  # its driver is gone without saying so (SIGKILL, a lost machine)
+            run.status, run.phase = "interrupted", Phase.INTERRUPTED
     runs.sort(key=lambda s: (s.created_at, s.updated_at), reverse=True)
     return runs

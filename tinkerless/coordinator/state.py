@@ -14,7 +14,7 @@ from tinkerless.errors import UserError
 
 RUNS_PREFIX = "runs"
 STATE_FILE = "state.json"
-STATUSES = ("running", "finished", "failed")
+STATUSES = ("running", "finished", "failed", "interrupted")
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -25,6 +25,7 @@ class Phase(str, Enum):
     UPDATE = "update"  # all rollouts in; the policy update is running
     DONE = "done"  # run finished
     FAILED = "failed"  # run failed
+    INTERRUPTED = "interrupted"  # stopped by Ctrl-C / SIGTERM; resumable from its last checkpoint
 
 
 @dataclass
@@ -33,7 +34,7 @@ class RunState:
     step: int = 0
     policy_version: int = 0
     phase: Phase = Phase.IDLE
-    status: str = "running"  # running | finished | failed
+    status: str = "running"  # running | finished | failed | interrupted
     config: dict = field(default_factory=dict)
     last_checkpoint_step: int | None = None
     created_at: float = 0.0
@@ -43,6 +44,10 @@ class RunState:
     # coordinator knows who still owes rollouts.
     rollout_participants: list[str] = field(default_factory=list)
     rollouts_submitted: list[str] = field(default_factory=list)
+    # The driving process renews `heartbeat_at` every `heartbeat_interval` seconds, so a run whose
+    # process is gone (SIGKILL, a lost machine) can be told from one that is still working.
+    heartbeat_at: float = 0.0
+    heartbeat_interval: float = 0.0  # 0: no heartbeat (runs written before heartbeats existed)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -66,10 +71,22 @@ class RunState:
         state.rollouts_submitted = list(state.rollouts_submitted)
         return state
 
+    def heartbeat_stale(self, now: float) -> bool:
+        """True when a running run's driver missed several heartbeats: its process is gone."""
+        if self.status != "running" or self.heartbeat_interval <= 0:
+            return False
+        return now - self.heartbeat_at > stale_after(self.heartbeat_interval)
+
     def missing_rollouts(self) -> list[str]:
         """Participants of the current rollout barrier that have not submitted yet."""
         done = set(self.rollouts_submitted)
         return [p for p in self.rollout_participants if p not in done]
+
+
+def stale_after(interval: float) -> float:
+    """Seconds without a heartbeat after which a running run counts as interrupted: a few missed
+    beats, so a slow storage write or a busy machine does not make a live run look dead."""
+    return 4 * interval + 5.0
 
 
 def validate_run_id(run_id: str) -> str:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 SMOLLM2_ALIASES = ("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL = "smollm2"
+TINY_MODEL = "tiny"  # a ~0.1M-parameter random Qwen2 with a byte-level ChatML tokenizer: runs in seconds, learns nothing useful
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_CACHE_NAME = "SmolLM2-135M-Instruct-f32"
@@ -64,6 +65,7 @@ def resolve_model(spec: str) -> str:
 
     - SmolLM2 aliases -> the local float32 conversion of the packaged GGUF
       (the hub id only when it is not already in the local HF cache);
+    - "tiny" -> a tiny random model built from a config in the cache (`build_tiny_model`);
     - an existing local directory -> itself (it must hold a config.json);
     - anything else that looks like a hub id -> unchanged; loading decides.
     """
@@ -73,6 +75,8 @@ def resolve_model(spec: str) -> str:
 
     if spec in SMOLLM2_ALIASES and not (spec == SMOLLM2_HUB_ID and _in_hf_cache(spec)):
         return str(_smollm2_local_dir())
+    if spec == TINY_MODEL:  # built from a config on first use: no download, for trying an env quickly
+        return build_tiny_model(cache_dir() / "models" / "tiny-qwen2-h64-l2-s0")
 
     path = Path(spec).expanduser()
     if path.is_dir():

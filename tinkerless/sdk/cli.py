@@ -2,7 +2,8 @@
 
     tinkerless train examples/arithmetic.py [--steps 20] [--resume --run-id ID]
     tinkerless runs [--storage DIR | --server URL]
-    tinkerless eval examples/arithmetic.py --run-id ID [--step N] [--episodes 32]
+    tinkerless eval examples/arithmetic.py --run-id ID [--step N] [--episodes 32] [--transcripts FILE]
+    tinkerless config-reference          # every TrainConfig field (docs/config.md)
 
 An example file defines a module-level `config = tinkerless.TrainConfig(...)`;
 command-line flags override its fields.
@@ -38,8 +39,11 @@ def load_config(path: str):
     except Exception as exc:
         import traceback
 
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(file)]
+        frame = (frames or traceback.extract_tb(exc.__traceback__))[-1]
         line = exc.lineno if isinstance(exc, SyntaxError) else frame.lineno
+        if isinstance(exc, ConfigError):  # e.g. a misspelled TrainConfig field: the same error as in train()
+            raise ConfigError(f"{path}, line {line}: {exc.message}", hint=exc.hint) from exc
         raise UserCodeError(
             f"{path} failed to import: {type(exc).__name__}: {exc} (line {line})",
             hint="fix the error in that file; it must import cleanly and define `config`",
@@ -56,42 +60,66 @@ def load_config(path: str):
     return config
 
 
+# TrainConfig fields that `tinkerless train` takes as flags (every field can be set in the file).
 _OVERRIDES = {
     "steps": int,
     "model": str,
     "backend": str,
     "storage": str,
     "run_id": str,
+    "name": str,
     "seed": int,
     "batch_size": int,
     "group_size": int,
     "max_tokens": int,
+    "max_turns": int,
+    "max_episode_tokens": int,
     "learning_rate": float,
     "checkpoint_every": int,
     "temperature": float,
     "loss": str,
     "algo": str,
+    "engine": str,
+    "transcripts_per_step": int,
 }
+
+_EPILOG = """\
+Every TrainConfig field, with its default and meaning: docs/config.md or `tinkerless config-reference`.
+A run stopped with Ctrl-C or SIGTERM is marked interrupted and resumes with --resume --run-id ID."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tinkerless", description="RL-train LLM agents from plain Python.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from tinkerless.sdk.config_reference import field_help
 
-    train = sub.add_parser("train", help="train the config defined in a Python file")
-    train.add_argument("file")
+    parser = argparse.ArgumentParser(
+        prog="tinkerless", description="RL-train LLM agents from plain Python.", epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train", help="train the config defined in a Python file", epilog=_EPILOG,
+        description="Train `config = tinkerless.TrainConfig(...)` from FILE; flags override its fields.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("file", help="a Python file that defines `config = tinkerless.TrainConfig(...)`")
     for name, kind in _OVERRIDES.items():
-        train.add_argument(f"--{name.replace('_', '-')}", type=kind, dest=name)
-    train.add_argument("--resume", action="store_true", help="continue a run from its latest checkpoint")
+        train.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, dest=name, metavar=name.upper(), help=field_help(name)
+        )
+    train.add_argument(
+        "--resume", action="store_true",
+        help="continue run --run-id (or the newest run of the config's name) from its latest checkpoint",
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     serve = sub.add_parser("serve", help="serve a model over HTTP for backend='http://host:port'")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model", default="smollm2")
-    serve.add_argument("--storage", default=".", help="where API keys, the runs driven through this server and Tinker checkpoints live (a directory or fsspec URL)")
-    serve.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024, help="larger requests get HTTP 413")
-    serve.add_argument("--max-pending", type=int, default=1024, help="queued calls before HTTP 429")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    serve.add_argument("--model", default="smollm2", help="the base model every tenant's adapters train on (default: %(default)s)")
+    serve.add_argument("--storage", default=".", help="where API keys, the runs driven through this server and Tinker checkpoints live (a directory or fsspec URL; default: %(default)s)")
+    serve.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024, help="larger requests get HTTP 413 (default: %(default)s)")
+    serve.add_argument("--max-pending", type=int, default=1024, help="queued calls before HTTP 429 (default: %(default)s)")
     serve.add_argument("--no-auth", action="store_true", help="accept calls without an API key (trusted networks only)")
     serve.add_argument(
         "--api-key-env",
@@ -100,30 +128,41 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     keys = sub.add_parser("keys", help="manage API keys of a `tinkerless serve` storage")
-    keys.add_argument("action", choices=("create", "list", "revoke"))
-    keys.add_argument("key_id", nargs="?", help="the key id to revoke")
-    keys.add_argument("--tenant", help="tenant the new key belongs to")
-    keys.add_argument("--storage", default=".")
+    keys.add_argument("action", choices=("create", "list", "revoke"), help="create a key (printed once), list keys, or revoke one")
+    keys.add_argument("key_id", nargs="?", help="the key id to revoke (see `tinkerless keys list`)")
+    keys.add_argument("--tenant", help="tenant the new key belongs to (needed by create)")
+    keys.add_argument("--storage", default=".", help="the server's --storage (default: %(default)s)")
 
     runs = sub.add_parser(
-        "runs", help="list runs in a storage location, with the device-seconds they used and their estimated cost"
+        "runs", help="list runs in a storage location, with the device-seconds they used and their estimated cost",
+        description="List runs, newest first. STATUS is running, finished, failed, or interrupted (stopped by "
+        "Ctrl-C/SIGTERM, or its process vanished: no heartbeat for a while).",
     )
-    runs.add_argument("--storage", default=".")
+    runs.add_argument("--storage", default=".", help="a directory or fsspec URL holding runs/ (default: %(default)s)")
     runs.add_argument(
         "--server", help="list the runs kept by this `tinkerless serve` URL instead (key: $TINKERLESS_API_KEY)"
     )
 
     evaluate = sub.add_parser("eval", help="run the env with a saved adapter, no training")
-    evaluate.add_argument("file")
+    evaluate.add_argument("file", help="a Python file that defines `config = tinkerless.TrainConfig(...)`")
     evaluate.add_argument("--run-id", help="evaluate this run's checkpoint (default: the base model)")
     evaluate.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     evaluate.add_argument("--adapter", help="a PEFT adapter directory instead of a run checkpoint")
-    evaluate.add_argument("--storage", default=None)
-    evaluate.add_argument("--backend", default=None, help="e.g. http://host:port: a run hosted by that server")
-    evaluate.add_argument("--model", default=None)
-    evaluate.add_argument("--episodes", type=int, default=32)
-    evaluate.add_argument("--temperature", type=float, default=None)
-    evaluate.add_argument("--seed", type=int, default=12345)
+    evaluate.add_argument("--storage", default=None, help="where the run lives (default: the config's storage)")
+    evaluate.add_argument("--backend", default=None, help="e.g. http://host:port: a run hosted by that server (default: the config's backend)")
+    evaluate.add_argument("--model", default=None, help="base model (default: the config's model)")
+    evaluate.add_argument("--episodes", type=int, default=32, help="episodes to play, one per task (default: %(default)s)")
+    evaluate.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the config's)")
+    evaluate.add_argument("--seed", type=int, default=12345, help="seed of the tasks and the sampling (default: %(default)s)")
+    evaluate.add_argument(
+        "--transcripts", metavar="FILE",
+        help="write every episode (messages, per-turn rewards, token counts, status) to this JSON-lines file",
+    )
+
+    sub.add_parser(
+        "config-reference", help="print every TrainConfig field with its default and meaning (Markdown)",
+        description="Print the TrainConfig reference that docs/config.md holds.",
+    )
     return parser
 
 
@@ -138,13 +177,25 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "keys":
             return _keys(args)
+        if args.command == "config-reference":
+            from tinkerless.sdk.config_reference import render_markdown
+
+            sys.stdout.write(render_markdown())
+            return 0
         return _eval(args)
     except TinkerlessError as exc:
         print(f"tinkerless: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("tinkerless: interrupted; resume with --resume --run-id <id>", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a run (tinkerless.sdk.lifecycle)
+        from tinkerless.sdk.lifecycle import RunInterrupted
+
+        stopped = exc if isinstance(exc, RunInterrupted) else RunInterrupted("SIGINT")
+        command = f"tinkerless {args.command} {getattr(args, 'file', '')}".rstrip()
+        if stopped.run_id is not None:
+            print(f"tinkerless: {stopped}\n  {command} --resume --run-id {stopped.run_id}", file=sys.stderr)
+        else:
+            print(f"tinkerless: {stopped if args.command == 'train' else 'interrupted'}", file=sys.stderr)
+        return stopped.exit_code
 
 
 def _train(args) -> int:
@@ -223,20 +274,21 @@ def _runs(args) -> int:
         print(f"no runs in {where}")
         return 0
     print(
-        f"{'RUN':<40} {'STATUS':<9} {'STEP':>9} {'REWARD first3→last3':>22} {'CHECKPOINT':>10} "
+        f"{'RUN':<40} {'STATUS':<11} {'STEP':>9} {'REWARD first→last':>22} {'CHECKPOINT':>10} "
         f"{'GPU-SECONDS':>11} {'COST':>10}  DEVICE"
     )
     for run in runs:
         total = run.config.get("steps", "?")
         s = run.summary
-        reward = f"{_fmt(s.get('reward_first3'))} → {_fmt(s.get('reward_last3'))}" if "reward_last3" in s else "-"
+        first, last = s.get("reward_first", s.get("reward_first3")), s.get("reward_last", s.get("reward_last3"))
+        reward = f"{_fmt(first)} → {_fmt(last)}" if ("reward_last" in s or "reward_last3" in s) else "-"
         ckpt = "-" if run.last_checkpoint_step is None else f"step-{run.last_checkpoint_step}"
         usage = latest_usage(s)  # from the finish summary or, for a run still going, its last committed step
         seconds = "-" if usage is None else f"{usage['gpu_seconds_total']:.1f}"
         cost = "-" if usage is None else format_cost(usage.get("cost_usd"))
         device = "-" if usage is None else usage.get("device", "?")
         print(
-            f"{run.run_id:<40} {run.status:<9} {f'{run.step}/{total}':>9} {reward:>22} {ckpt:>10} "
+            f"{run.run_id:<40} {run.status:<11} {f'{run.step}/{total}':>9} {reward:>22} {ckpt:>10} "
             f"{seconds:>11} {cost:>10}  {device}"
         )
     return 0
@@ -253,7 +305,10 @@ def _eval(args) -> int:
     given = (("storage", args.storage), ("backend", args.backend), ("model", args.model), ("temperature", args.temperature))
     changes = {k: v for k, v in given if v}
     config = config.replace(**changes)
-    report = evaluate(config, run_id=args.run_id, step=args.step, adapter=args.adapter, episodes=args.episodes, seed=args.seed)
+    report = evaluate(
+        config, run_id=args.run_id, step=args.step, adapter=args.adapter, episodes=args.episodes, seed=args.seed,
+        transcripts=args.transcripts,
+    )
     print(report.describe())
     return 0
 

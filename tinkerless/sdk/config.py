@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,6 +25,14 @@ BACKENDS = ("local", "modal", "sky")
 
 @dataclass
 class TrainConfig:
+    """Every setting of a run; each field's default and meaning: docs/config.md (`tinkerless config-reference`)."""
+
+    def __new__(cls, *args: Any, **settings: Any) -> "TrainConfig":
+        # Runs before the dataclass __init__, so a misspelled field is the same ConfigError
+        # (with a "did you mean") in a config file as in train(**settings) and replace().
+        check_setting_names(settings)
+        return super().__new__(cls)
+
     # what to train
     model: str = "smollm2"
     env: type | None = None
@@ -70,6 +79,7 @@ class TrainConfig:
     on_env_error: str = "skip"  # skip | raise
     micro_batch_size: int = 16
     progress: bool = True
+    transcripts_per_step: int = 4  # whole episodes sampled per step into runs/<id>/episodes.jsonl; 0 = none
     # pay-per-use: device seconds are priced in $/hour; see tinkerless.sdk.accounting.DEFAULT_PRICES_PER_HOUR
     prices: dict[str, float] | None = None  # device name -> $/hour, tried before the defaults ("H100": 2.0)
     price_per_hour: float | None = None  # one flat $/hour for whatever device runs the functions
@@ -84,6 +94,11 @@ class TrainConfig:
         for name in ("steps", "batch_size", "group_size", "max_tokens", "max_turns", "checkpoint_every", "lora_rank"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if isinstance(self.transcripts_per_step, bool) or not isinstance(self.transcripts_per_step, int) or self.transcripts_per_step < 0:
+            raise ConfigError(
+                f"transcripts_per_step must be a whole number >= 0, got {self.transcripts_per_step!r}",
+                hint="e.g. 4 episodes per step into runs/<id>/episodes.jsonl, or 0 for none",
+            )
         if self.env is None and self.reward is None:
             raise ConfigError(
                 "a run needs an env, a reward, or both", hint="pass env=MyEnv and/or reward=my_reward"
@@ -134,9 +149,7 @@ class TrainConfig:
         return PriceTable(self.prices, price_per_hour=self.price_per_hour)
 
     def replace(self, **changes: Any) -> "TrainConfig":
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {sorted(unknown)}", hint="see tinkerless.TrainConfig for the fields")
+        check_setting_names(changes)
         return dataclasses.replace(self, **changes)
 
     def summary(self) -> dict:
@@ -152,3 +165,19 @@ class TrainConfig:
                 continue
             out[f.name] = value
         return out
+
+
+def check_setting_names(settings: dict) -> None:
+    """ConfigError naming each unknown TrainConfig setting, with the closest field name when one is close."""
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    unknown = [name for name in settings if name not in fields]
+    if not unknown:
+        return
+    guesses = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+        guesses.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    raise ConfigError(
+        f"unknown TrainConfig setting{'s' if len(unknown) > 1 else ''}: {', '.join(guesses)}",
+        hint="every setting with its default and meaning: docs/config.md, or `tinkerless config-reference`",
+    )

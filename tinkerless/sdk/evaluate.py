@@ -14,6 +14,7 @@ from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.run_host import run_host_for
 from tinkerless.sdk.tasks import TaskSource
 from tinkerless.sdk.trainer import CLIENT_STATE_FILE
+from tinkerless.sdk.transcripts import episode_record, write_transcripts
 from tinkerless.wire import pack_code
 from tinkerless.wire.messages import BASE_POLICY, EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
 from tinkerless.wire.runs import CheckpointPolicy
@@ -25,6 +26,7 @@ class EvalReport:
     rewards: list[float]
     errors: int
     samples: list[str] = field(default_factory=list)
+    transcripts: Path | None = None  # where every episode was written, if asked for
 
     @property
     def mean(self) -> float:
@@ -33,6 +35,8 @@ class EvalReport:
     def describe(self) -> str:
         lines = [f"{self.source}: mean reward {self.mean:.3f} over {len(self.rewards)} episodes ({self.errors} failed)"]
         lines += [f"  sample: {s!r}" for s in self.samples[:3]]
+        if self.transcripts is not None:
+            lines.append(f"  transcripts: {self.transcripts}")
         return "\n".join(lines)
 
 
@@ -61,12 +65,17 @@ def evaluate(
     adapter: str | None = None,
     episodes: int = 32,
     seed: int = 12345,
+    transcripts: str | Path | None = None,
 ) -> EvalReport:
+    """Play `episodes` episodes (one per task) with the checkpoint, adapter or base model; with
+    `transcripts`, every episode goes to that JSON-lines file (format: `tinkerless.sdk.transcripts`)."""
     if config.env is not None and is_multi_agent(config.env):
         raise ConfigError(
             f"`tinkerless eval` runs single-agent envs; {config.env.__qualname__} is multi-agent",
             hint="train with the opponent you want to measure against (e.g. tinkerless.Frozen(...)) and read its win rates",
         )
+    if transcripts is not None:  # a bad path fails now, not after every episode was played
+        _check_writable(Path(transcripts))
     backend = make_backend(config.backend, config.model, engine=config.engine)
     policy = BASE_POLICY
     if adapter:
@@ -79,13 +88,14 @@ def evaluate(
         policy = "default"
     client = TrainingClient(backend, policy, create=False)
     tasks, _ = TaskSource(config.tasks, seed=seed).batch(0, episodes)
+    limits = EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens)
     result = client.rollout(
         RolloutRequest(
             policy=policy,
             tasks=tasks,
             group_size=1,
             sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p),
-            limits=EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens),
+            limits=limits,
             seed=seed,
             env=pack_code(config.env) if config.env else None,
             reward=pack_code(config.reward) if config.reward else None,
@@ -94,4 +104,18 @@ def evaluate(
     )
     ok = [e for e in result.episodes if e.status != "error"]
     source = f"run {run_id}" + (f" step {step}" if step is not None else "") if run_id else (adapter or f"base model {config.model}")
-    return EvalReport(source, [e.reward for e in ok], len(result.episodes) - len(ok), [e.transcript[-1]["content"] for e in ok])
+    written = None
+    if transcripts is not None:
+        records = (episode_record(e, limits, step=step, task=tasks[e.task_index]) for e in result.episodes)
+        written = write_transcripts(transcripts, records)
+    samples = [e.transcript[-1]["content"] for e in ok]
+    return EvalReport(source, [e.reward for e in ok], len(result.episodes) - len(ok), samples, written)
+
+
+def _check_writable(path: Path) -> None:
+    if path.is_dir():
+        raise UserError(f"--transcripts {path} is a directory", hint="name a file, e.g. eval-episodes.jsonl")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write transcripts to {path}: {exc}", hint="name a file in a writable directory") from exc

@@ -25,7 +25,7 @@ class MetricsWriter:
         _drop_torn_tail(self.path)
 
     def log(self, record: dict) -> None:
-        line = json.dumps(_jsonable(record), allow_nan=False, separators=(",", ":"))
+        line = json.dumps(jsonable(record), allow_nan=False, separators=(",", ":"))
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(line + "\n")
             handle.flush()
@@ -67,6 +67,36 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
+def reward_summary(records: list[dict]) -> dict:
+    """The run's reward at its start and its end: the mean of the first and of the last `reward_window`
+    steps, at most 3 and never overlapping (1 step: the one step; 2-3 steps: the first and the last one)."""
+    rewards = [float(r["reward_mean"]) for r in records if _is_number(r.get("reward_mean"))]
+    window = len(rewards) if len(rewards) < 2 else min(3, len(rewards) // 2)
+    mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731
+    return {
+        "steps": len(records),
+        "reward_window": window,
+        "reward_first": mean(rewards[:window]),
+        "reward_last": mean(rewards[-window:]) if window else None,
+    }
+
+
+def describe_rewards(summary: dict) -> str:
+    """`reward_summary` in words, right for any number of steps."""
+    window, first, last = summary.get("reward_window", 0), summary.get("reward_first"), summary.get("reward_last")
+    if not window or first is None:
+        return "no step logged a reward"
+    if window == 1 and summary.get("steps", 0) <= 1:
+        return f"reward {first:.3f} (1 step)"
+    if window == 1:
+        return f"reward {first:.3f} on the first step → {last:.3f} on the last"
+    return f"reward {first:.3f} over the first {window} steps → {last:.3f} over the last {window}"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str | None = None) -> str:
     """Plot reward (mean ± std band) and loss against step; extra panels for win_rate/kl/entropy if logged."""
     # Figure + Agg canvas directly: no pyplot global state, works headless.
@@ -104,12 +134,12 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str |
     return _save(fig, axes, png_path, title)
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Convert numpy/torch scalars and containers to plain JSON; non-finite floats -> None."""
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
@@ -118,12 +148,12 @@ def _jsonable(value: Any) -> Any:
     item = getattr(value, "item", None)
     if callable(item):
         try:
-            return _jsonable(item())
+            return jsonable(item())
         except (ValueError, RuntimeError):
             pass
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
-        return _jsonable(tolist())
+        return jsonable(tolist())
     return str(value)
 
 

@@ -126,6 +126,12 @@ class RemoteCoordinator:
     def finish(self, status: str = "finished", summary: dict | None = None) -> None:
         self._call("finish", status=status, summary=summary)
 
+    def heartbeat(self, interval: float) -> None:
+        # Sent from the heartbeat thread: its reply's state is not kept, so it can never
+        # replace a newer state that the driving thread got meanwhile.
+        reply = self.host.request("/v1/runs/call/heartbeat", RunCall(self.run_id, {"interval": interval}, self.lease))
+        _expect(reply, RunReply)
+
     def refresh(self) -> RunState:
         """Re-read the run's state from the server."""
         self._call("state")

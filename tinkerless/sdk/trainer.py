@@ -29,13 +29,23 @@ from tinkerless.sdk.advantages import group_advantages
 from tinkerless.sdk.backends import Backend, device_of, make_backend, with_usage
 from tinkerless.sdk.client import TrainingClient
 from tinkerless.sdk.config import TrainConfig
+from tinkerless.sdk.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
 from tinkerless.envs.base import is_multi_agent
 from tinkerless.sdk.agents import frozen_adapters, trainable_policies
-from tinkerless.sdk.metrics import MetricsWriter, plot_metrics, plot_outcomes, read_metrics
+from tinkerless.sdk.metrics import (
+    MetricsWriter,
+    describe_rewards,
+    plot_metrics,
+    plot_outcomes,
+    read_metrics,
+    reward_summary,
+)
 from tinkerless.sdk.multi_agent import build_seats, play_step
 from tinkerless.sdk.progress import Progress
 from tinkerless.sdk.run_host import run_host_for
 from tinkerless.sdk.tasks import TaskSource
+from tinkerless.sdk.transcripts import TRANSCRIPTS_FILE, episode_record
+from tinkerless.sdk.transcripts import sample as sample_episodes
 from tinkerless.wire import pack_code
 from tinkerless.wire.runs import CheckpointPolicy
 from tinkerless.wire.messages import (
@@ -73,7 +83,8 @@ def train(config: TrainConfig | None = None, *, backend: Backend | str | None = 
     if isinstance(backend, str):
         config = config.replace(backend=backend)
     config.validate()
-    return _Run(config, backend if not isinstance(backend, (str, type(None))) else None).run()
+    with interruptible():  # SIGTERM stops a run like Ctrl-C: marked interrupted, resumable
+        return _Run(config, backend if not isinstance(backend, (str, type(None))) else None).run()
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -83,6 +94,7 @@ def _step_seed(seed: int, step: int) -> int:
 class _Run:
     def __init__(self, config: TrainConfig, backend: Backend | None):
         self.config = config
+        self.heartbeat_s = heartbeat_interval()  # a bad $TINKERLESS_HEARTBEAT_S fails before anything starts
         # Package user code first: an unpicklable env fails here, before any model loads.
         self.env_code = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
         self.reward_code = (
@@ -105,10 +117,12 @@ class _Run:
             self.backend.close()
             raise
         self.run_id = self.coordinator.run_id
+        self.heartbeat = Heartbeat(self.coordinator, self.heartbeat_s).start()
         self.checkpoints = self.host.checkpoints(self.run_id, config.keep_checkpoints, self.coordinator)
         self.run_dir = self.host.run_dir(self.run_id)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+        self.transcripts = MetricsWriter(self.run_dir / TRANSCRIPTS_FILE)  # a sample of each step's episodes
         self.cursor = 0
         self.step = 0
         self._versions: dict[str, int] = {}
@@ -132,9 +146,10 @@ class _Run:
                 self._load_frozen_adapters()
                 if start:
                     self._restore()
-        except BaseException:
-            self.coordinator.finish("failed", self._usage_summary())  # never leave a run that looks alive
-            self.backend.close()
+        except BaseException as exc:
+            self._stop(exc)  # never leave a run that looks alive
+            if isinstance(exc, KeyboardInterrupt):
+                raise self._interrupted(exc) from None
             raise
 
     def _open_run(self) -> tuple[Coordinator, bool]:
@@ -158,6 +173,7 @@ class _Run:
             self._say(f"run {self.run_id}: no valid checkpoint, starting from step 0")
             self.coordinator.reset_to_checkpoint(0, self.config.summary())
             self.metrics.truncate_after(-1)
+            self.transcripts.truncate_after(-1)
             return
         client_state = json.loads(restored.files[CLIENT_STATE_FILE])
         self._versions.update(client_state["policy_versions"])
@@ -166,6 +182,7 @@ class _Run:
         np.random.set_state(tuple(client_state["numpy_random"][:1]) + (np.array(client_state["numpy_random"][1], dtype=np.uint32),) + tuple(client_state["numpy_random"][2:]))
         self.coordinator.reset_to_checkpoint(self.step, self.config.summary())
         self.metrics.truncate_after(self.step - 1)
+        self.transcripts.truncate_after(self.step - 1)
         self._say(f"run {self.run_id}: resumed from checkpoint step-{self.step}")
 
     def _save_checkpoint(self, policy_versions: dict[str, int]) -> None:
@@ -197,22 +214,24 @@ class _Run:
                 self.step += 1
                 started = time.perf_counter()
                 if self.step % config.checkpoint_every == 0 or self.step == config.steps:
-                    with self.usage.phase("storage"):  # save_state runs on the functions
+                    with uninterrupted(), self.usage.phase("storage"):  # save_state runs on the functions
                         self._save_checkpoint(policy_versions)
                 checkpoint_s = time.perf_counter() - started
                 progress.update(record)
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
-        except BaseException:
-            self.coordinator.finish("failed", self._usage_summary())
+        except BaseException as exc:
             progress.close()
-            self.backend.close()  # cloud backends stop their apps and clusters' clients here too
+            self._stop(exc)  # cloud backends stop their apps and clusters' clients here too
+            if isinstance(exc, KeyboardInterrupt):
+                raise self._interrupted(exc) from None
             raise
         progress.close()
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
         usage = self.usage.summary()
-        self.coordinator.finish("finished", {**_summary(records), "usage": usage})
+        self.heartbeat.stop()
+        self.coordinator.finish("finished", {**reward_summary(records), "usage": usage})
         self.backend.close()
         if self.multi_agent:
             plot_outcomes(self.run_dir / "metrics.jsonl", self.run_dir / "outcomes.png", self.policies, title=self.run_id)
@@ -221,6 +240,24 @@ class _Run:
         )
         self._say(_final_report(result))
         return result
+
+    def _stop(self, exc: BaseException) -> None:
+        """End a run that raised: `interrupted` for Ctrl-C/SIGTERM, else `failed`; then free the backend."""
+        self.heartbeat.stop()
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        try:
+            with uninterrupted():  # a second signal must not leave the run marked running
+                self.coordinator.finish(status, self._usage_summary())
+        except Exception as error:  # keep the run's own error; the stale heartbeat will tell the story
+            self._say(f"run {self.run_id}: could not mark the run {status}: {error}")
+        except KeyboardInterrupt:  # a second signal while marking it: the run is stopping anyway
+            pass
+        finally:
+            self.backend.close()
+
+    def _interrupted(self, exc: KeyboardInterrupt) -> RunInterrupted:
+        name = exc.signal_name if isinstance(exc, RunInterrupted) else "SIGINT"
+        return RunInterrupted(name, self.run_id, self.coordinator.state.last_checkpoint_step)
 
     def _usage_summary(self) -> dict | None:
         """What a failed run used so far (None if it failed before its backend existed)."""
@@ -254,6 +291,10 @@ class _Run:
         record = _step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started)
         if self.multi_agent:
             record.update(_agent_metrics(episodes, self.policies))
+        limits = EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens)
+        for episode in sample_episodes(episodes, config.transcripts_per_step):
+            task = tasks[episode.task_index] if 0 <= episode.task_index < len(tasks) else None
+            self.transcripts.log(episode_record(episode, limits, step=step, task=task))
         return record, versions
 
     def _rollouts(self, tasks: list[dict]) -> list[Episode]:
@@ -421,21 +462,11 @@ def _mean(values) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-def _summary(records: list[dict]) -> dict:
-    rewards = [r["reward_mean"] for r in records if r.get("reward_mean") is not None]
-    return {
-        "steps": len(records),
-        "reward_first3": _mean(rewards[:3]) if rewards else None,
-        "reward_last3": _mean(rewards[-3:]) if rewards else None,
-    }
-
-
 def _final_report(result: RunResult) -> str:
-    s = _summary(result.metrics)
-    fmt = lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
     return (
-        f"run {result.run_id} finished: reward first 3 steps {fmt(s['reward_first3'])} → last 3 steps {fmt(s['reward_last3'])}\n"
+        f"run {result.run_id} finished: {describe_rewards(reward_summary(result.metrics))}\n"
         f"  metrics: {result.run_dir / 'metrics.jsonl'}\n  plot:    {result.plot_path}\n"
+        f"  episodes: {result.run_dir / TRANSCRIPTS_FILE}\n"
         f"  checkpoint: step-{result.last_checkpoint_step} (resume with --resume --run-id {result.run_id})"
         + (f"\n  compute: {format_usage(result.usage)}" if result.usage else "")
     )

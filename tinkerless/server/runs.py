@@ -62,6 +62,7 @@ _TRANSITIONS: dict[str, tuple[str, ...]] = {
     "record_checkpoint": ("step",),
     "reset_to_checkpoint": ("step", "config"),
     "finish": ("status", "summary"),
+    "heartbeat": ("interval",),
 }
 
 

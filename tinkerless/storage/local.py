@@ -6,6 +6,7 @@ so it excludes other processes and, through separate open files, other
 threads), compares the current content's hash with the expected one, and
 replaces the file by an atomic rename. Readers never need the lock: a rename
 swaps whole files, so a read sees the old or the new content, never a mix.
+The holder deletes the lock file before it lets go, so none outlives a write.
 """
 
 from __future__ import annotations
@@ -80,7 +81,14 @@ def exclusive(target: str) -> Iterator[None]:
                 except FileNotFoundError:
                     same = False
                 if same:
-                    yield
+                    try:
+                        yield
+                    finally:
+                        # Remove the lock file while still holding it, so none is left behind. A waiter
+                        # that then gets the lock on this unlinked inode sees it is no longer the file
+                        # at `lock_path` (the inode check above) and locks a fresh one.
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(lock_path)
                     return
             finally:
                 os.close(fd)  # also releases the flock
