@@ -144,8 +144,10 @@ class FakeSky:
         self.launch_error: Exception | None = None
         self._results: dict[str, tuple[bool, Any]] = {}
         self._ids = count()
+        self.enabled = ["aws"]  # the clouds SkyPilot's last `sky check` enabled
         for name in ("launch", "status", "queue", "endpoints", "down", "get", "stream_and_get"):
             monkeypatch.setattr(sky, name, getattr(self, name))
+        monkeypatch.setattr(sky, "enabled_clouds", self.enabled_clouds, raising=False)  # real one: sky.client.sdk
 
     @staticmethod
     def _running() -> Any:
@@ -197,6 +199,10 @@ class FakeSky:
             if not (skip_finished and status.is_terminal())
         ]
         return self._request("queue", records)
+
+    def enabled_clouds(self, workspace=None, expand=False):
+        self.calls.append(("enabled_clouds", (), {}))
+        return self._request("enabled_clouds", list(self.enabled))
 
     def endpoints(self, cluster, port=None):
         self.calls.append(("endpoints", (cluster, port), {}))
@@ -268,7 +274,7 @@ def test_launch_runs_the_yaml_server_then_trains_and_tears_down(sky, tl_home, ti
             tiny_model, cluster="tl-test", down_on_close=True, port=port, health_timeout=180, poll_interval=0.2,
             engine="auto", micro_batch_size=16,  # what make_backend passes; the server owns them
         )
-        assert fake.names() == ["status", "launch", "endpoints"]
+        assert fake.names() == ["status", "enabled_clouds", "launch", "endpoints"]
         (task,), launch_kwargs = next((args, kwargs) for name, args, kwargs in fake.calls if name == "launch")
         assert launch_kwargs["cluster_name"] == "tl-test" and launch_kwargs["idle_minutes_to_autostop"] == 10
         assert launch_kwargs["down"] is True and task.envs["IDLE_MINUTES"] == "60"
@@ -331,7 +337,7 @@ def test_an_up_cluster_whose_server_stopped_gets_it_started_again(sky, tl_home, 
 
         fake.jobs["tl-idle"] = [("tinkerless-serve", JobStatus.SUCCEEDED)]  # it stopped itself when idle
         backend = make_sky_backend(worker.model_name, cluster="tl-idle", api_key=key, poll_interval=0.1)
-        assert fake.names() == ["status", "queue", "launch", "endpoints"]
+        assert fake.names() == ["status", "queue", "enabled_clouds", "launch", "endpoints"]
         launch = next(kwargs for name, _, kwargs in fake.calls if name == "launch")
         assert launch["cluster_name"] == "tl-idle"  # onto the same cluster: SkyPilot reuses it
         assert call(backend, "info", {})["model"] == worker.model_name
@@ -360,7 +366,7 @@ def test_health_timeout_names_the_url_and_the_log_command(sky, tl_home, monkeypa
     assert time.monotonic() - started < 15
     assert f"http://127.0.0.1:{port}" in str(error.value) and "did not become healthy within 1s" in str(error.value)
     assert "sky logs tl-dead" in error.value.hint and "sky down tl-dead" in error.value.hint
-    assert fake.names() == ["status", "launch", "endpoints"]
+    assert fake.names() == ["status", "enabled_clouds", "launch", "endpoints"]
 
 
 def test_no_cloud_and_launch_failures_point_to_sky_check(sky, tl_home, monkeypatch):

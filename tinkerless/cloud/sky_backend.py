@@ -1,8 +1,9 @@
 """`backend="sky"`: a `tinkerless serve` cluster launched (or reused) through SkyPilot, called over HTTP.
 
 `make_sky_backend(model, cluster=..., gpu=...)` reuses the cluster when `sky.status` says it
-is UP and `sky.queue` shows its server job alive; otherwise it launches `sky/train.yaml`
-with `sky.launch` (onto the same cluster when that is up but its server stopped when idle).
+is UP and `sky.queue` shows its server job alive; otherwise, once SkyPilot's enabled clouds
+(what `sky check` found) show it can launch at all, it launches `sky/train.yaml` with
+`sky.launch` (onto the same cluster when that is up but its server stopped when idle).
 It then waits for the server's `/healthz` and hands every call to an `HTTPBackend`.
 
 The API key is generated here and reaches the node only as a SkyPilot secret (redacted by
@@ -136,9 +137,15 @@ def make_sky_backend(
             )
         logger.info("reusing SkyPilot cluster %s (already UP)", name)
     else:
+        _require_enabled_infra(sky, name, opts.infra)  # no key file, no launch, when nothing can start
         keys = [opts.api_key or new_api_key()]
         save_key(name, keys[0])  # before launching: a launch that is interrupted still leaves a reusable cluster
-        _launch(sky, _task(model, gpu, opts, keys[0]), name, opts)
+        try:
+            _launch(sky, _task(model, gpu, opts, keys[0]), name, opts)
+        except BaseException:
+            if not _cluster_exists(sky, name):  # nothing was provisioned: the key opens nothing
+                key_file(name).unlink(missing_ok=True)
+            raise
     url = _endpoint(sky, name, opts.port)
     wait_healthy(url, cluster=name, timeout=opts.health_timeout, interval=opts.poll_interval)
     key = _check_server(url, keys, model, name)
@@ -191,6 +198,48 @@ def _server_alive(sky: Any, name: str) -> bool:
     if not alive:
         logger.info("SkyPilot cluster %s is up but its server has stopped (idle, or crashed): starting it again", name)
     return alive
+
+
+def _require_enabled_infra(sky: Any, name: str, infra: str | None) -> None:
+    """ConfigError before any launch when SkyPilot has no enabled cloud (or not the one `infra` names).
+
+    Asks SkyPilot's API for the clouds `sky check` enabled last; that answer is cached by SkyPilot
+    (in its local API server), so no cloud is contacted here."""
+    try:
+        enabled = [str(cloud) for cloud in sky.get(_sdk(sky).enabled_clouds()) or []]
+    except Exception as exc:
+        raise _sky_error("asking SkyPilot for its enabled clouds failed", exc, name) from exc
+    if not enabled:
+        raise ConfigError(
+            f"SkyPilot has no enabled cloud (as of its last `sky check`), so cluster {name} cannot be launched",
+            hint="set up credentials for one (e.g. `aws configure`, `gcloud auth application-default login`, "
+            "a kubeconfig, or ~/.sky/ssh_node_pools.yaml), then run `sky check` and retry",
+        )
+    if infra:
+        wanted = infra.split("/", 1)[0].strip().lower()
+        wanted = {"k8s": "kubernetes"}.get(wanted, wanted)
+        if wanted not in ("", "*") and wanted not in {cloud.lower() for cloud in enabled}:
+            raise ConfigError(
+                f"infra={infra!r}: {wanted} is not among SkyPilot's enabled clouds ({', '.join(enabled)})",
+                hint=f"run `sky check {wanted}` to see why it is disabled, or pick an enabled one",
+            )
+
+
+def _sdk(sky: Any) -> Any:
+    """SkyPilot's client SDK module (the functions that `import sky` does not re-export, such as enabled_clouds)."""
+    if hasattr(sky, "enabled_clouds"):
+        return sky
+    from sky.client import sdk
+
+    return sdk
+
+
+def _cluster_exists(sky: Any, name: str) -> bool:
+    """Whether SkyPilot knows cluster `name` in any state; True when it cannot tell (keep what may be needed)."""
+    try:
+        return any(_field(r, "name") == name for r in sky.get(sky.status([name])))
+    except Exception:
+        return True
 
 
 def _launch(sky: Any, task: Any, name: str, opts: SkyOptions) -> None:
