@@ -85,7 +85,7 @@ def evaluate(
             tasks=tasks,
             group_size=1,
             sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p),
-            limits=EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens),
+            limits=EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens),
             seed=seed,
             env=pack_code(config.env) if config.env else None,
             reward=pack_code(config.reward) if config.reward else None,

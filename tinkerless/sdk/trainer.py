@@ -35,6 +35,7 @@ from tinkerless.sdk.metrics import MetricsWriter, plot_metrics, plot_outcomes, r
 from tinkerless.sdk.multi_agent import build_seats, play_step
 from tinkerless.sdk.progress import Progress
 from tinkerless.sdk.run_host import run_host_for
+from tinkerless.sdk import truncation
 from tinkerless.sdk.tasks import TaskSource
 from tinkerless.wire import pack_code
 from tinkerless.wire.runs import CheckpointPolicy
@@ -112,6 +113,7 @@ class _Run:
         self.cursor = 0
         self.step = 0
         self._versions: dict[str, int] = {}
+        self._truncation_warned = False
         try:
             # A resumed run goes on billing from what its earlier attempts used.
             prior = latest_usage(self.coordinator.state.summary) if start else None
@@ -201,6 +203,8 @@ class _Run:
                         self._save_checkpoint(policy_versions)
                 checkpoint_s = time.perf_counter() - started
                 progress.update(record)
+                if "warning" in record:
+                    progress.warn(record["warning"])
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
         except BaseException:
@@ -252,6 +256,10 @@ class _Run:
         self.coordinator.commit_update(step, {"reward_mean": reward_mean, "usage": self.usage.summary()})
         self._event("committed", "*")
         record = _step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started)
+        record.update(truncation.columns(episodes, config.turn_limit()))
+        if not self._truncation_warned and truncation.warrants_warning(record):
+            self._truncation_warned = True  # once per run: the metrics line and the console say it
+            record["warning"] = truncation.warning(record, config)
         if self.multi_agent:
             record.update(_agent_metrics(episodes, self.policies))
         return record, versions
@@ -263,7 +271,7 @@ class _Run:
             tasks=tasks,
             group_size=config.group_size,
             sampling=self._sampling(),
-            limits=EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens),
+            limits=EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens),
             seed=_step_seed(config.seed, self.step),
             env=self.env_code,
             reward=self.reward_code,
@@ -284,7 +292,7 @@ class _Run:
                 env=self.env_code,
                 seats=seats,
                 sampling=self._sampling(),
-                limits=EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens),
+                limits=EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens),
                 seed=_step_seed(config.seed, self.step) + index,
                 protocol_timeout=config.protocol_timeout,
             )
