@@ -89,8 +89,10 @@ class TrainConfig:
             value = getattr(self, name)
             if name == "max_turns" and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ConfigError(f"{name} must be an integer of at least 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(f"{name} must be an integer (at least 1), got {value!r}")
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
         if self.env is None and self.reward is None:
             raise ConfigError(
                 "a run needs an env, a reward, or both", hint="pass env=MyEnv and/or reward=my_reward"

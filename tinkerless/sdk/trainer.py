@@ -36,7 +36,7 @@ from tinkerless.sdk.multi_agent import build_seats, play_step
 from tinkerless.sdk.progress import Progress
 from tinkerless.sdk.run_host import run_host_for
 from tinkerless.sdk import truncation
-from tinkerless.sdk.tasks import TaskSource
+from tinkerless.sdk.tasks import TaskSource, check_reset_fields
 from tinkerless.wire import pack_code
 from tinkerless.wire.runs import CheckpointPolicy
 from tinkerless.wire.messages import (
@@ -90,6 +90,8 @@ class _Run:
             pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
         )
         self.tasks = TaskSource(config.tasks, seed=config.seed)
+        if config.env is not None:
+            check_reset_fields(config.env, self.tasks, count=config.batch_size)
         self.multi_agent = config.env is not None and is_multi_agent(config.env)
         self.policies = trainable_policies(config.agents) if self.multi_agent else ["default"]
         self.seats = build_seats(config.agents) if self.multi_agent else []
