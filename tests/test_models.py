@@ -145,6 +145,7 @@ def test_smollm2_cached_dir_is_returned_without_conversion(monkeypatch, tmp_path
     cached = tmp_path / "models" / models._SMOLLM2_CACHE_NAME
     cached.mkdir(parents=True)
     (cached / "config.json").write_text("{}")
+    (cached / models._CONVERSION_MARKER).write_text(json.dumps({"format": models._CONVERSION_FORMAT}))
     monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("must not convert again"))
     for alias in SMOLLM2_ALIASES:
         assert resolve_model(alias) == str(cached)

@@ -143,11 +143,11 @@ def run_episodes(
         for run, generation, budget in zip(active, generations, budgets):
             tokens, logprobs = generation.tokens[: max(budget, 0)], generation.logprobs[: max(budget, 0)]
             run.append(tokens, sampled=True, logprobs=logprobs)
-            ended_with_eos = bool(tokens) and tokens[-1] in chat.eos_token_ids
+            last_token = tokens[-1] if tokens else None
             text = chat.tokenizer.decode(tokens, skip_special_tokens=True)
             run.transcript.append({"role": "assistant", "content": text})
             run.state = EpisodeState.INTERACTING
-            _interact(run, text, ended_with_eos, env_name, chat, limits)
+            _interact(run, text, last_token, env_name, chat, limits)
 
     episodes = []
     for run in runs:
@@ -157,7 +157,7 @@ def run_episodes(
     return episodes
 
 
-def _interact(run: _Run, text: str, ended_with_eos: bool, env_name: str | None, chat: ChatFormat, limits: EpisodeLimits) -> None:
+def _interact(run: _Run, text: str, last_token: int | None, env_name: str | None, chat: ChatFormat, limits: EpisodeLimits) -> None:
     turns = sum(1 for m in run.transcript if m["role"] == "assistant")
     if run.env is None:
         run.state = EpisodeState.TERMINATED
@@ -176,7 +176,7 @@ def _interact(run: _Run, text: str, ended_with_eos: bool, env_name: str | None, 
         run.status = "truncated"
         run.state = EpisodeState.TERMINATED
         return
-    observation = chat.observation_tokens(str(result.observation), ended_with_eos=ended_with_eos)
+    observation = chat.observation_tokens(str(result.observation), last_token=last_token)
     if len(run.tokens) + len(observation) >= limits.max_episode_tokens:
         run.status = "truncated"
         run.state = EpisodeState.TERMINATED

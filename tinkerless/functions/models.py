@@ -33,6 +33,10 @@ TINY_MODEL = "tiny"  # a ~0.1M-parameter random Qwen2 with a byte-level ChatML t
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_CACHE_NAME = "SmolLM2-135M-Instruct-f32"
+# Bumped whenever the conversion's output changes. A cached copy with another (or no) format is
+# converted again: format 1 had transformers' GGUF tokenizer bug (eos_token '<|im_start|>', the BOS).
+_CONVERSION_FORMAT = 2
+_CONVERSION_MARKER = "tinkerless-conversion.json"
 _TMP_PREFIX = ".tmp-"
 
 # Hub ids are "name" or "owner/name" made of letters, digits, "-", "_", ".".
@@ -163,20 +167,34 @@ def build_tiny_model(
 
 
 def _smollm2_local_dir() -> Path:
-    """The float32 SmolLM2 directory, converting it from the GGUF the first time."""
+    """The float32 SmolLM2 directory, converting it from the GGUF the first time (or when the cache is stale)."""
     target = cache_dir() / "models" / _SMOLLM2_CACHE_NAME
-    if (target / "config.json").is_file():
+    if _is_current_conversion(target):
         return target
     gguf_path = _smollm2_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     # The lock makes a second process wait for the first conversion instead of repeating it.
     with _file_lock(target.parent / f"{_SMOLLM2_CACHE_NAME}.lock"):
-        if (target / "config.json").is_file():
+        if _is_current_conversion(target):
             return target
         _remove_stale_tmp_dirs(target)
+        if target.exists():
+            # An older conversion: move it aside (a process still reading it keeps its open files), then redo it.
+            os.rename(target, tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name}-stale-", dir=target.parent))
+            _remove_stale_tmp_dirs(target)
         with _atomic_dir(target) as tmp:
             _convert_gguf(gguf_path, tmp)
     return target
+
+
+def _is_current_conversion(target: Path) -> bool:
+    import json
+
+    try:
+        marker = json.loads((target / _CONVERSION_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("format") == _CONVERSION_FORMAT and (target / "config.json").is_file()
 
 
 def _smollm2_gguf_path() -> Path:
@@ -198,12 +216,21 @@ def _smollm2_gguf_path() -> Path:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize the GGUF into a plain float32 safetensors model + tokenizer."""
+    """Dequantize the GGUF into a plain float32 safetensors model + tokenizer whose special tokens agree."""
+    import json
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    # transformers' GGUF tokenizer reader sets eos_token from the BOS id (transformers/integrations/ggml.py),
+    # so take every special token from the GGUF's own metadata, which the model config is built from too.
+    specials = _gguf_special_token_ids(gguf_path)
+    for role, token_id in specials.items():
+        setattr(tokenizer, role, tokenizer.convert_ids_to_tokens(token_id))
+    # As the original tokenizer_config.json: the cleanup strips spaces before punctuation in decoded text.
+    tokenizer.clean_up_tokenization_spaces = False
     loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
 
     # A GGUF-loaded model refuses save_pretrained; rebuild it as an ordinary model.
@@ -214,9 +241,44 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
     del loaded
+    _check_special_tokens_agree(tokenizer, fresh, specials)
 
     fresh.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    (out_dir / _CONVERSION_MARKER).write_text(json.dumps({"format": _CONVERSION_FORMAT, "source": name}))
+
+
+def _gguf_special_token_ids(gguf_path: Path) -> dict[str, int]:
+    """{"bos_token": id, "eos_token": id, ...} as the GGUF's tokenizer metadata states them."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    out = {}
+    for role, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        field = fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None:
+            out[role] = int(field.parts[field.data[0]][0])
+    return out
+
+
+def _check_special_tokens_agree(tokenizer, model, specials: dict[str, int]) -> None:
+    """Refuse to cache a conversion whose tokenizer, config and generation config disagree on BOS/EOS/PAD."""
+    from tinkerless.functions.chat import ChatFormat
+
+    expected = {"bos_token_id": specials.get("bos_token"), "eos_token_id": specials.get("eos_token"), "pad_token_id": specials.get("pad_token")}
+    for attribute, want in expected.items():
+        seen = {
+            "tokenizer": getattr(tokenizer, attribute),
+            "config": getattr(model.config, attribute, None),
+            "generation config": getattr(model.generation_config, attribute, None),
+        }
+        if any(value != want for value in seen.values()):
+            raise RuntimeError(f"SmolLM2 conversion: {attribute} disagrees with the GGUF's ({want}): {seen}")
+    chat = ChatFormat(tokenizer, model.generation_config)
+    if chat.eos_token_ids != [specials["eos_token"]] or chat.end_of_turn_id != specials["eos_token"]:
+        raise RuntimeError(
+            f"SmolLM2 conversion: the chat template ends turns with id {chat.end_of_turn_id}, the GGUF's EOS is {specials['eos_token']}"
+        )
 
 
 # --- helpers ---------------------------------------------------------------------------

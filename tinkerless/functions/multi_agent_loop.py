@@ -158,8 +158,7 @@ def _prepare_context(game: _Game, role: str, chat: ChatFormat, limits: EpisodeLi
         run.prompt_length = len(run.tokens)
         run.transcript = messages
     else:
-        ended_with_eos = bool(run.tokens) and run.tokens[-1] in chat.eos_token_ids
-        tokens = chat.observation_tokens(observation, ended_with_eos=ended_with_eos)
+        tokens = chat.observation_tokens(observation, last_token=run.tokens[-1] if run.tokens else None)
         if len(run.tokens) + len(tokens) >= limits.max_episode_tokens:
             game.done, game.status = True, "truncated"
             return False

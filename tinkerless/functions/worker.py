@@ -98,7 +98,7 @@ class Worker:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.base_model, self.tokenizer = load_model(model, device=self.device)
         self.model: Any = self.base_model  # becomes a PeftModel with the first policy
-        self.chat = ChatFormat(self.tokenizer)
+        self.chat = ChatFormat(self.tokenizer, self.base_model.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.micro_batch_size = micro_batch_size
         self.policies: dict[str, _Policy] = {}

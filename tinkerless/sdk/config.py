@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,6 +22,9 @@ ALGORITHMS = {
     "dr_grpo": ("dr_grpo", "constant"),  # no std, no length normalization
 }
 BACKENDS = ("local", "modal", "sky")
+# max_turns=None resolves to these: an env is multi-turn unless it ends episodes itself sooner.
+DEFAULT_ENV_MAX_TURNS = 16
+DEFAULT_SINGLE_TURN_MAX_TURNS = 1
 
 
 @dataclass
@@ -62,7 +66,7 @@ class TrainConfig:
     max_tokens: int = 32  # per turn
     temperature: float = 0.7
     top_p: float = 1.0
-    max_turns: int = 1
+    max_turns: int | None = None  # None: 16 with an env, 1 for single-turn reward runs (see turn_limit())
     max_episode_tokens: int = 1024
     # run management
     seed: int = 0
@@ -92,8 +96,13 @@ class TrainConfig:
         if self.on_env_error not in ("skip", "raise"):
             raise ConfigError(f"on_env_error must be 'skip' or 'raise', got {self.on_env_error!r}")
         for name in ("steps", "batch_size", "group_size", "max_tokens", "max_turns", "checkpoint_every", "lora_rank"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if name == "max_turns" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(f"{name} must be an integer (at least 1), got {value!r}")
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
         if isinstance(self.transcripts_per_step, bool) or not isinstance(self.transcripts_per_step, int) or self.transcripts_per_step < 0:
             raise ConfigError(
                 f"transcripts_per_step must be a whole number >= 0, got {self.transcripts_per_step!r}",
@@ -126,7 +135,7 @@ class TrainConfig:
 
     def loss_config(self) -> LossConfig:
         normalization = self.normalization or ALGORITHMS[self.algo][1]
-        constant = float(self.max_tokens * self.max_turns * self.batch_size * self.group_size)
+        constant = float(self.max_tokens * self.turn_limit() * self.batch_size * self.group_size)
         return LossConfig(
             name=self.loss,
             clip_low=self.clip_low,
@@ -136,6 +145,12 @@ class TrainConfig:
             tis_cap=self.tis_cap,
             kl_coef=self.kl_coef,
         )
+
+    def turn_limit(self) -> int:
+        """max_turns as the episodes use it: the explicit value, or the default for this kind of run."""
+        if self.max_turns is not None:
+            return self.max_turns
+        return DEFAULT_ENV_MAX_TURNS if self.env is not None else DEFAULT_SINGLE_TURN_MAX_TURNS
 
     def advantage_config(self) -> AdvantageConfig:
         return AdvantageConfig(estimator=ALGORITHMS[self.algo][0])

@@ -88,7 +88,7 @@ def evaluate(
         policy = "default"
     client = TrainingClient(backend, policy, create=False)
     tasks, _ = TaskSource(config.tasks, seed=seed).batch(0, episodes)
-    limits = EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens)
+    limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
     result = client.rollout(
         RolloutRequest(
             policy=policy,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 from tinkerless.sdk.accounting import format_cost
 
@@ -24,6 +25,7 @@ class Progress:
             tok_s=_fmt(record.get("tokens_per_s"), 1),
             err=record.get("episodes_error", 0),
             gpu_s=_fmt(record.get("gpu_s/total"), 1),
+            trunc=_percent(record.get("episodes_truncated_frac")),
             cost=_cost(record),
             refresh=False,
         )
@@ -32,6 +34,13 @@ class Progress:
     def write(self, message: str) -> None:
         if self.bar is not None:
             self.bar.write(message)
+
+    def warn(self, message: str) -> None:
+        """A message the user must see even without a progress bar (then it goes to stderr)."""
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -42,6 +51,10 @@ def _fmt(value, digits: int = 3, kind: str = "f") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:.{digits}{kind}}"
+
+
+def _percent(fraction) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
 
 
 def _cost(record: dict) -> str:

@@ -43,7 +43,8 @@ from tinkerless.sdk.metrics import (
 from tinkerless.sdk.multi_agent import build_seats, play_step
 from tinkerless.sdk.progress import Progress
 from tinkerless.sdk.run_host import run_host_for
-from tinkerless.sdk.tasks import TaskSource
+from tinkerless.sdk import truncation
+from tinkerless.sdk.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.transcripts import TRANSCRIPTS_FILE, episode_record
 from tinkerless.sdk.transcripts import sample as sample_episodes
 from tinkerless.wire import pack_code
@@ -101,6 +102,8 @@ class _Run:
             pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
         )
         self.tasks = TaskSource(config.tasks, seed=config.seed)
+        if config.env is not None:
+            check_reset_fields(config.env, self.tasks, count=config.batch_size)
         self.multi_agent = config.env is not None and is_multi_agent(config.env)
         self.policies = trainable_policies(config.agents) if self.multi_agent else ["default"]
         self.seats = build_seats(config.agents) if self.multi_agent else []
@@ -126,6 +129,7 @@ class _Run:
         self.cursor = 0
         self.step = 0
         self._versions: dict[str, int] = {}
+        self._truncation_warned = False
         try:
             # A resumed run goes on billing from what its earlier attempts used.
             prior = latest_usage(self.coordinator.state.summary) if start else None
@@ -218,6 +222,8 @@ class _Run:
                         self._save_checkpoint(policy_versions)
                 checkpoint_s = time.perf_counter() - started
                 progress.update(record)
+                if "warning" in record:
+                    progress.warn(record["warning"])
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
         except BaseException as exc:
@@ -289,9 +295,13 @@ class _Run:
         self.coordinator.commit_update(step, {"reward_mean": reward_mean, "usage": self.usage.summary()})
         self._event("committed", "*")
         record = _step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started)
+        record.update(truncation.columns(episodes, config.turn_limit()))
+        if not self._truncation_warned and truncation.warrants_warning(record):
+            self._truncation_warned = True  # once per run: the metrics line and the console say it
+            record["warning"] = truncation.warning(record, config)
         if self.multi_agent:
             record.update(_agent_metrics(episodes, self.policies))
-        limits = EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens)
+        limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
         for episode in sample_episodes(episodes, config.transcripts_per_step):
             task = tasks[episode.task_index] if 0 <= episode.task_index < len(tasks) else None
             self.transcripts.log(episode_record(episode, limits, step=step, task=task))
@@ -304,7 +314,7 @@ class _Run:
             tasks=tasks,
             group_size=config.group_size,
             sampling=self._sampling(),
-            limits=EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens),
+            limits=EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens),
             seed=_step_seed(config.seed, self.step),
             env=self.env_code,
             reward=self.reward_code,
@@ -325,7 +335,7 @@ class _Run:
                 env=self.env_code,
                 seats=seats,
                 sampling=self._sampling(),
-                limits=EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=config.max_episode_tokens),
+                limits=EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens),
                 seed=_step_seed(config.seed, self.step) + index,
                 protocol_timeout=config.protocol_timeout,
             )
