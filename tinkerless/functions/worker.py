@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -45,6 +46,7 @@ from tinkerless.wire.messages import (
     OptimStepRequest,
     OptimStepResult,
     PolicyState,
+    ResetPolicyRequest,
     RolloutRequest,
     RolloutResult,
     SampledSequence,
@@ -62,6 +64,7 @@ warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprec
 
 _REQUEST_TYPES = {
     "create_policy": CreatePolicyRequest,
+    "reset_policy": ResetPolicyRequest,
     "rollout": RolloutRequest,
     "rollout_multi": MultiAgentRolloutRequest,
     "sample": SampleRequest,
@@ -207,6 +210,46 @@ class Worker:
         self.policies[name] = _Policy(lora=lora, params=params, optimizer=optimizer)
         self.model.eval()  # no dropout anywhere: training and sampling see the same function
         return {"policy": name, "created": True}
+
+    def reset_policy(self, request: ResetPolicyRequest) -> dict:
+        """Re-initialize an existing policy exactly as `create_policy` made it from its LoRA seed.
+
+        A run resumed without a usable checkpoint must start from the fresh init, not from
+        whatever the server still holds from an earlier attempt. The init is rebuilt by creating
+        a scratch adapter under the same seed (peft's init draws the same numbers for any name)
+        and copying it over, so it needs no stored copy and survives a server restart."""
+        from peft import LoraConfig as PeftLoraConfig
+
+        name = request.policy
+        policy = self._policy(name)
+        lora = policy.lora
+        scratch = "zzreset" + hashlib.sha256(name.encode()).hexdigest()[:8]
+        config = PeftLoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        active = self.model.active_adapter
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lora.seed)
+            self.model.add_adapter(scratch, config)
+        try:
+            fresh = {n.replace(f".{scratch}.", f".{name}."): p for n, p in self.model.named_parameters() if f".{scratch}." in n}
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    if f".{name}." in n and "lora_" in n:
+                        p.copy_(fresh[n])
+                        p.grad = None
+        finally:
+            self.model.delete_adapter(scratch)
+            self.model.set_adapter(active)
+        policy.optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
+        policy.version = 0
+        self._forget_snapshots(name)
+        return {"policy": name, "policy_version": 0}
+
+    def _forget_snapshots(self, name: str) -> None:
+        # The vLLM engine's adapter directories are keyed by version; a reset or load reuses versions.
+        shutil.rmtree(os.path.join(self._adapter_root, name), ignore_errors=True)
 
     def delete_policy(self, name: str) -> bool:
         """Free a policy's adapter and optimizer (a server evicting sampler snapshots). False if absent."""
@@ -400,12 +443,18 @@ class Worker:
         missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
         if missing:
             raise UserError(f"adapter weights do not fit the model: unexpected keys {missing[:3]}")
+        # The loaded state replaces the policy's whole training state: moments from before the load
+        # belong to other weights, so the optimizer starts fresh unless the state carries its own.
+        policy.optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
+        for p in policy.params:
+            p.grad = None
         if request.include_optimizer and "optimizer.pt" in files:
             policy.optimizer.load_state_dict(torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True))
         if "worker_rng.pt" in files:
             rng = torch.load(io.BytesIO(files["worker_rng.pt"]), weights_only=True)
             torch.set_rng_state(rng["torch"])
         policy.version = state.policy_version
+        self._forget_snapshots(state.policy)
         return {"policy": state.policy, "policy_version": policy.version}
 
 

@@ -31,13 +31,13 @@ from tinkerless.coordinator.policy_checkpoints import restore_policies, save_pol
 from tinkerless.coordinator.state import state_key, validate_run_id
 from tinkerless.errors import BarrierTimeout, CommitConflict, ProtocolError, ServerBusy, TinkerlessError, UserError
 from tinkerless.server.body import RequestTooLarge, read_body
-from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
+from tinkerless.server.replies import Redactor, error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import tenant_prefix
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK
-from tinkerless.wire.messages import LoadStateRequest, PolicyState, SaveStateRequest
+from tinkerless.wire.messages import LoadStateRequest, PolicyState, ResetPolicyRequest, SaveStateRequest
 from tinkerless.wire.runs import (
     CheckpointPolicy,
     RestoreCheckpointRequest,
@@ -80,6 +80,7 @@ class RunService:
         self.long_poll = long_poll
         self._hosted: dict[tuple[str, str], _Hosted] = {}
         self._lock = threading.Lock()
+        self.redact = Redactor(store.url)
 
     def tenant_store(self, tenant: str) -> ObjectStore:
         return self.store.child(f"tenants/{tenant or '_'}")
@@ -177,8 +178,13 @@ class RunService:
         def load(policy: CheckpointPolicy, files: dict[str, bytes], version: int) -> None:
             self.worker.load_state(LoadStateRequest(PolicyState(_on_worker(tenant, policy), files, version), True))
 
+        def reset(policy: CheckpointPolicy) -> None:
+            self.worker.reset_policy(ResetPolicyRequest(_on_worker(tenant, policy)))
+
         checkpoints = self._checkpoints(tenant, request.run_id, request.keep_last)
-        return restore_policies(checkpoints, request.policies, request.client_files, load, request.step)
+        restored = restore_policies(checkpoints, request.policies, request.client_files, load, reset, request.step)
+        restored.warnings = [self.redact(message) for message in restored.warnings]
+        return restored
 
     def _checkpoints(self, tenant: str, run_id: str, keep_last: int | None) -> CheckpointStore:
         return CheckpointStore(self.tenant_store(tenant), checkpoint_prefix(run_id), keep_last=keep_last)
