@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import random
 import time
@@ -49,6 +50,8 @@ from tinkerless.wire.messages import (
     RolloutRequest,
     SamplingParams,
 )
+
+logger = logging.getLogger(__name__)
 
 CLIENT_STATE_FILE = "client.json"
 
@@ -133,9 +136,17 @@ class _Run:
                 if start:
                     self._restore()
         except BaseException:
-            self.coordinator.finish("failed", self._usage_summary())  # never leave a run that looks alive
+            self._mark_failed()  # never leave a run that looks alive
             self.backend.close()
             raise
+
+    def _mark_failed(self) -> None:
+        """Best effort while an error propagates: if the run's host is gone too (a dead server), the
+        error the user must see is the call that failed, not this one."""
+        try:
+            self.coordinator.finish("failed", self._usage_summary())
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not mark run %s as failed: %s", self.run_id if hasattr(self, "run_id") else "?", exc)
 
     def _open_run(self) -> tuple[Coordinator, bool]:
         config = self.config
@@ -204,7 +215,7 @@ class _Run:
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
         except BaseException:
-            self.coordinator.finish("failed", self._usage_summary())
+            self._mark_failed()
             progress.close()
             self.backend.close()  # cloud backends stop their apps and clusters' clients here too
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -14,6 +15,7 @@ from tinkerless.wire.messages import ErrorReply
 
 
 STORAGE_PLACEHOLDER = "<server storage>"
+_SEQ = re.compile(r"[0-9]{1,18}")
 
 
 class Redactor:
@@ -71,6 +73,10 @@ def stream_of(request: Request) -> tuple[str | None, int | None]:
     seq = request.headers.get(SEQ_HEADER)
     if stream is None or seq is None:
         return None, None
-    if not seq.isdigit() or len(stream) > 128:
-        raise ProtocolError(f"invalid {SEQ_HEADER} {seq!r} or {STREAM_HEADER}", hint="sequence numbers are integers from 1")
+    # ASCII digits only (str.isdigit accepts '²', which int() refuses), from 1, within 64 bits.
+    if not _SEQ.fullmatch(seq) or int(seq) < 1 or not 0 < len(stream) <= 128:
+        raise ProtocolError(
+            f"invalid {SEQ_HEADER} {seq[:32]!r} or {STREAM_HEADER} (of {len(stream)} characters)",
+            hint="sequence numbers are integers from 1, one per call; a stream id is 1-128 characters",
+        )
     return stream, int(seq)
