@@ -185,7 +185,7 @@ def test_create_twice_fails_and_open_missing(store):
     assert "open" in info.value.hint and "another run id" in info.value.hint
     with pytest.raises(UserError, match="does not exist") as info:
         Coordinator.open(store, "nope")
-    assert "list_runs" in info.value.hint
+    assert "without --resume" in info.value.hint and "tinkerless runs" in info.value.hint
     for bad in ("../escape", "a/b", "", ".hidden"):
         with pytest.raises(UserError, match="invalid run id"):
             Coordinator.create(store, bad, {})

@@ -178,7 +178,10 @@ def test_policy_checkpoint_layout_round_trips(tmp_path):
     policies = [CheckpointPolicy("alice", "policies/alice/", "w-alice", 3), CheckpointPolicy("bob", "policies/bob/", "w-bob", 5)]
     save_policies(store, 2, policies, lambda p: {"adapter/w": p.name.encode()}, {"client.json": b"{}"}, {"run_id": "x"})
     loaded = {}
-    restored = restore_policies(store, policies, ["client.json"], lambda p, files, v: loaded.update({p.name: (files, v)}))
+    never_reset = lambda p: pytest.fail(f"{p.name} was reset although a checkpoint exists")  # noqa: E731
+    restored = restore_policies(
+        store, policies, ["client.json"], lambda p, files, v: loaded.update({p.name: (files, v)}), never_reset
+    )
     assert restored.step == 2 and restored.files == {"client.json": b"{}"}
     assert loaded == {"alice": ({"adapter/w": b"alice"}, 3), "bob": ({"adapter/w": b"bob"}, 5)}
     assert restored.policy_versions == {"alice": 3, "bob": 5}
@@ -187,11 +190,18 @@ def test_policy_checkpoint_layout_round_trips(tmp_path):
     single = [CheckpointPolicy("default", "", "w", 1)]
     save_policies(single_store, 3, single, lambda p: {"adapter/w": b"d"}, {"client.json": b"{}"}, {})
     restored = restore_policies(
-        single_store, single, ["client.json"], lambda p, files, v: loaded.update({p.name: (files, v)})
+        single_store, single, ["client.json"], lambda p, files, v: loaded.update({p.name: (files, v)}), never_reset
     )
     assert loaded["default"] == ({"adapter/w": b"d"}, 1) and restored.files == {"client.json": b"{}"}
     with pytest.raises(CorruptCheckpoint, match="no files for policy 'carol'"):
-        restore_policies(store, [*policies[:1], CheckpointPolicy("carol", "policies/carol/", "w-c")], [], lambda *a: None)
+        restore_policies(
+            store, [*policies[:1], CheckpointPolicy("carol", "policies/carol/", "w-c")], [], lambda *a: None, never_reset
+        )
+    # No checkpoint at all: every policy goes back to its fresh init, none is left as the worker holds it.
+    reset = []
+    empty = CheckpointStore(ObjectStore(str(tmp_path)), "runs/z/checkpoints")
+    assert restore_policies(empty, policies, [], lambda *a: None, lambda p: reset.append(p.name)).step is None
+    assert reset == ["alice", "bob"]
 
 
 # ---- a client killed mid-run resumes from the server's checkpoint -----------------------------------

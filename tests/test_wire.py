@@ -498,11 +498,24 @@ def test_wrong_protocol_version_and_foreign_type_are_refused_by_the_worker(local
     assert reply.type == "ProtocolError" and "os:system" in reply.error
 
 
-def test_server_side_crash_comes_back_as_remote_error(local_backend):
+def test_a_token_id_outside_the_vocabulary_is_the_callers_error(local_backend):
+    from tinkerless.errors import InvalidRequest
     from tinkerless.sdk.backends import call
 
-    # A token id far outside the vocabulary crashes the embedding lookup inside the worker.
     datum = Datum(tokens=np.array([1, 10**6], dtype=np.int32), mask=np.ones(2, dtype=np.float32))
+    with pytest.raises(InvalidRequest, match="token id 1000000, outside this model's vocabulary") as info:
+        call(local_backend, "forward", ForwardRequest("base", [datum]))
+    assert info.value.category == "user"
+
+
+def test_server_side_crash_comes_back_as_remote_error(local_backend, monkeypatch):
+    from tinkerless.sdk.backends import call
+
+    def crash(request):  # a bug inside the worker, past validation
+        raise RuntimeError("index out of range in self")
+
+    monkeypatch.setattr(local_backend.worker, "forward", crash)
+    datum = Datum(tokens=np.array([1, 2], dtype=np.int32), mask=np.ones(2, dtype=np.float32))
     with pytest.raises(RemoteError) as info:
         call(local_backend, "forward", ForwardRequest("base", [datum]))
     error = info.value

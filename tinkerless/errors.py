@@ -52,6 +52,20 @@ class ProtocolError(UserError):
     """A request does not match what the receiver speaks (version, type, size)."""
 
 
+class InvalidRequest(ProtocolError):
+    """A value in a request is of the wrong type, not finite, or out of range (HTTP 400)."""
+
+
+class SequenceReused(ProtocolError, ValueError):
+    """A call's sequence number (X-Tinkerless-Seq) was already used on its stream (HTTP 400)."""
+
+    def __init__(self, seq: int, next_seq: int):
+        super().__init__(
+            f"sequence number {seq} was already used on this stream (next is {next_seq})",
+            hint="send each call once, with the next sequence number; HTTPBackend does this by itself",
+        )
+
+
 class PhaseError(TinkerlessError):
     """A coordinator barrier was violated (e.g. update before rollouts finished)."""
 

@@ -353,9 +353,9 @@ def _load_state(store: ObjectStore, run_id: str, with_version: bool = False):
             raw = store.get(key)
     except StorageNotFound:
         raise UserError(
-            f"run {run_id!r} does not exist at {store.full_url(key)}",
-            hint="see existing runs with tinkerless.coordinator.list_runs(ObjectStore(url)), "
-            "check the storage URL, or start it with Coordinator.create",
+            f"run {run_id!r} does not exist at {store.full_url(key)}, so there is nothing to resume",
+            hint="to start it, run without --resume (resume=False); to resume an existing run, pick its id "
+            "from `tinkerless runs` (with the same --storage or server)",
         ) from None
     try:
         state = RunState.from_dict(json.loads(raw))

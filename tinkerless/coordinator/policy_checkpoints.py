@@ -38,12 +38,21 @@ def restore_policies(
     policies: list[CheckpointPolicy],
     client_files: list[str],
     load_state: Callable[[CheckpointPolicy, dict[str, bytes], int], None],
+    reset: Callable[[CheckpointPolicy], None],
     step: int | None = None,
 ) -> RestoredCheckpoint:
-    """Load checkpoint `step` (default: the latest valid one) into `policies`; the `client_files` come back."""
-    checkpoint = checkpoints.load(step) if step is not None else checkpoints.load_latest()
+    """Put every one of `policies` into exactly the state of checkpoint `step` (default: the latest valid
+    one); the `client_files` come back. With no valid checkpoint every policy is `reset` to its fresh init.
+
+    A resume must never continue from what the worker still holds: a client killed before its first
+    checkpoint, or whose checkpoints are all corrupt, would otherwise go on from adapters and optimizer
+    moments trained by its earlier attempt, and end with other weights than an uninterrupted run."""
+    skipped: list[str] = []
+    checkpoint = checkpoints.load(step) if step is not None else checkpoints.load_latest(skipped)
     if checkpoint is None:
-        return RestoredCheckpoint(step=None)
+        for policy in policies:
+            reset(policy)
+        return RestoredCheckpoint(step=None, warnings=skipped)
     files = dict(checkpoint.files)
     own = {name: files.pop(name) for name in client_files if name in files}
     versions = checkpoint.metadata.get("policy_versions", {})
@@ -62,4 +71,6 @@ def restore_policies(
                 hint="resume with the same agents the run was started with, or start a new run",
             )
         load_state(policy, claimed[policy.name], int(versions.get(policy.name, checkpoint.step)))
-    return RestoredCheckpoint(checkpoint.step, own, {p.name: int(versions.get(p.name, checkpoint.step)) for p in policies})
+    return RestoredCheckpoint(
+        checkpoint.step, own, {p.name: int(versions.get(p.name, checkpoint.step)) for p in policies}, skipped
+    )

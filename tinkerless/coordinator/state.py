@@ -16,7 +16,7 @@ RUNS_PREFIX = "runs"
 STATE_FILE = "state.json"
 STATUSES = ("running", "finished", "failed", "interrupted")
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class Phase(str, Enum):
@@ -91,9 +91,10 @@ def stale_after(interval: float) -> float:
 
 def validate_run_id(run_id: str) -> str:
     """Run ids become one storage key part, so they must be a plain, safe name."""
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+    # fullmatch: `$` would also accept a trailing newline, which then becomes part of a directory name.
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise UserError(
-            f"invalid run id {run_id!r}",
+            f"invalid run id {str(run_id)[:140]!r}",
             hint="use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit "
             "(e.g. 'gsm8k-grpo-01')",
         )

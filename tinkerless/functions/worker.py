@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -28,9 +29,11 @@ from tinkerless.functions.agent_loop import run_episodes
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import TransformersEngine
 from tinkerless.functions.multi_agent_loop import run_games
+from tinkerless.functions.policy_state import check_weights_fit, parse_policy_state
 from tinkerless.functions.models import load_model, resolve_model
 from tinkerless.wire import decode_message, encode_message, unpack_code
 from tinkerless.wire.code import CodeBlob
+from tinkerless.wire.validate import validate
 from tinkerless.wire.messages import (
     BASE_POLICY,
     CreatePolicyRequest,
@@ -45,6 +48,7 @@ from tinkerless.wire.messages import (
     OptimStepRequest,
     OptimStepResult,
     PolicyState,
+    ResetPolicyRequest,
     RolloutRequest,
     RolloutResult,
     SampledSequence,
@@ -62,6 +66,7 @@ warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprec
 
 _REQUEST_TYPES = {
     "create_policy": CreatePolicyRequest,
+    "reset_policy": ResetPolicyRequest,
     "rollout": RolloutRequest,
     "rollout_multi": MultiAgentRolloutRequest,
     "sample": SampleRequest,
@@ -107,6 +112,11 @@ class Worker:
         self.engine = self._make_engine(engine, max_batch_size)
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids index the embedding; anything at or past its size is refused at the boundary."""
+        return self.base_model.get_input_embeddings().num_embeddings
+
+    @property
     def device_name(self) -> str:
         """"cpu", or the GPU's own name ("NVIDIA H100 80GB HBM3"): what pay-per-use accounting prices."""
         return torch.cuda.get_device_name(torch.device(self.device)) if self.device.startswith("cuda") else self.device
@@ -150,6 +160,8 @@ class Worker:
                     f"{method} expects a {expected.__name__}, got {type(request).__name__}",
                     hint="send the request type from tinkerless.wire.messages (client and server versions must match)",
                 )
+            if expected is not None:  # every value from the caller, before it reaches the model
+                validate(request, vocab_size=self.vocab_size)
             return encode_message(getattr(self, method)(request))
         except Exception as exc:  # every failure becomes a structured reply, never a dropped connection
             category = exc.category if isinstance(exc, TinkerlessError) else "server"
@@ -180,7 +192,8 @@ class Worker:
         name = request.policy
         if name in self.policies:
             return {"policy": name, "created": False}
-        if name == BASE_POLICY or not name.replace("-", "").replace("_", "").isalnum() or name in "lora_":
+        validate(request)  # direct callers too (the Tinker API, load_state), not only handle()
+        if name == BASE_POLICY or name in "lora_":
             # peft finds adapter weights by substring; a name inside "lora_" would corrupt loading.
             raise ConfigError(f"invalid policy name {name!r}", hint="use 2+ letters, digits, '-' and '_' (not 'base')")
         lora = request.lora
@@ -207,6 +220,46 @@ class Worker:
         self.policies[name] = _Policy(lora=lora, params=params, optimizer=optimizer)
         self.model.eval()  # no dropout anywhere: training and sampling see the same function
         return {"policy": name, "created": True}
+
+    def reset_policy(self, request: ResetPolicyRequest) -> dict:
+        """Re-initialize an existing policy exactly as `create_policy` made it from its LoRA seed.
+
+        A run resumed without a usable checkpoint must start from the fresh init, not from
+        whatever the server still holds from an earlier attempt. The init is rebuilt by creating
+        a scratch adapter under the same seed (peft's init draws the same numbers for any name)
+        and copying it over, so it needs no stored copy and survives a server restart."""
+        from peft import LoraConfig as PeftLoraConfig
+
+        name = request.policy
+        policy = self._policy(name)
+        lora = policy.lora
+        scratch = "zzreset" + hashlib.sha256(name.encode()).hexdigest()[:8]
+        config = PeftLoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        active = self.model.active_adapter
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lora.seed)
+            self.model.add_adapter(scratch, config)
+        try:
+            fresh = {n.replace(f".{scratch}.", f".{name}."): p for n, p in self.model.named_parameters() if f".{scratch}." in n}
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    if f".{name}." in n and "lora_" in n:
+                        p.copy_(fresh[n])
+                        p.grad = None
+        finally:
+            self.model.delete_adapter(scratch)
+            self.model.set_adapter(active)
+        policy.optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
+        policy.version = 0
+        self._forget_snapshots(name)
+        return {"policy": name, "policy_version": 0}
+
+    def _forget_snapshots(self, name: str) -> None:
+        # The vLLM engine's adapter directories are keyed by version; a reset or load reuses versions.
+        shutil.rmtree(os.path.join(self._adapter_root, name), ignore_errors=True)
 
     def delete_policy(self, name: str) -> bool:
         """Free a policy's adapter and optimizer (a server evicting sampler snapshots). False if absent."""
@@ -372,43 +425,39 @@ class Worker:
         return PolicyState(request.policy, files, policy.version)
 
     def load_state(self, request: LoadStateRequest) -> dict:
-        import json
-
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load as load_safetensors
+        from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
         state = request.state
-        files = state.files
-        try:
-            adapter_config = json.loads(files["adapter/adapter_config.json"])
-            weights = load_safetensors(files["adapter/adapter_model.safetensors"])
-        except (KeyError, ValueError) as exc:
-            raise UserError(
-                f"policy state for {state.policy!r} has no readable PEFT adapter ({exc})",
-                hint="load a state written by save_state or a PEFT adapter directory",
-            ) from exc
-        if state.policy not in self.policies:
-            lora = LoraConfig(
-                rank=adapter_config.get("r", 16),
-                alpha=adapter_config.get("lora_alpha", 32),
-                dropout=adapter_config.get("lora_dropout", 0.0),
-                target_modules=_target_modules(adapter_config),
-            )
-            self.create_policy(CreatePolicyRequest(state.policy, lora))
+        parsed = parse_policy_state(state.policy, state.files, request.include_optimizer)
+        created = state.policy not in self.policies
+        if created:
+            self.create_policy(CreatePolicyRequest(state.policy, parsed.lora))
         policy = self.policies[state.policy]
-        result = set_peft_model_state_dict(self.model, weights, adapter_name=state.policy)
-        missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
-        if missing:
-            raise UserError(f"adapter weights do not fit the model: unexpected keys {missing[:3]}")
-        if request.include_optimizer and "optimizer.pt" in files:
-            policy.optimizer.load_state_dict(torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True))
-        if "worker_rng.pt" in files:
-            rng = torch.load(io.BytesIO(files["worker_rng.pt"]), weights_only=True)
-            torch.set_rng_state(rng["torch"])
+        try:
+            # Every check before the first change: a bad state leaves the policy as it was.
+            expected = get_peft_model_state_dict(self.model, adapter_name=state.policy)
+            check_weights_fit(state.policy, parsed.weights, expected)
+            optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
+            if parsed.optimizer is not None:
+                try:
+                    optimizer.load_state_dict(parsed.optimizer)
+                except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                    raise UserError(
+                        f"policy state for {state.policy!r}: optimizer.pt does not fit this adapter ({exc})",
+                        hint="load the optimizer state saved with this adapter, or load without the optimizer",
+                    ) from None
+        except BaseException:
+            if created:
+                self.delete_policy(state.policy)
+            raise
+        set_peft_model_state_dict(self.model, parsed.weights, adapter_name=state.policy)
+        # The loaded state replaces the policy's whole training state: moments from before the load
+        # belong to other weights, so the optimizer starts fresh unless the state carries its own.
+        policy.optimizer = optimizer
+        for p in policy.params:
+            p.grad = None
+        if parsed.rng is not None:
+            torch.set_rng_state(parsed.rng)
         policy.version = state.policy_version
+        self._forget_snapshots(state.policy)
         return {"policy": state.policy, "policy_version": policy.version}
-
-
-def _target_modules(adapter_config: dict) -> str | list[str]:
-    modules = adapter_config.get("target_modules") or "all-linear"
-    return sorted(modules) if isinstance(modules, (list, set)) else modules

@@ -22,7 +22,7 @@ from tinkerless.coordinator.policy_checkpoints import restore_policies, save_pol
 from tinkerless.errors import UserError
 from tinkerless.sdk.backends import Backend, call
 from tinkerless.storage import CheckpointStore, ObjectStore
-from tinkerless.wire.messages import LoadStateRequest, PolicyState, SaveStateRequest
+from tinkerless.wire.messages import LoadStateRequest, PolicyState, ResetPolicyRequest, SaveStateRequest
 from tinkerless.wire.runs import CheckpointPolicy, RestoredCheckpoint
 
 
@@ -96,7 +96,10 @@ class StoredCheckpoints:
         def load(policy: CheckpointPolicy, files: dict[str, bytes], version: int) -> None:
             call(self.backend, "load_state", LoadStateRequest(PolicyState(policy.worker_policy, files, version), True))
 
-        return restore_policies(self.store, policies, client_files, load, step)
+        def reset(policy: CheckpointPolicy) -> None:
+            call(self.backend, "reset_policy", ResetPolicyRequest(policy.worker_policy))
+
+        return restore_policies(self.store, policies, client_files, load, reset, step)
 
 
 def newest_run_id(runs: list[RunState], name: str, where: str) -> str:

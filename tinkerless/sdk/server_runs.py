@@ -9,6 +9,7 @@ Barrier waits are long-polls that the client repeats until its own timeout.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -165,6 +166,8 @@ class ServerCheckpoints:
         request = RestoreCheckpointRequest(self.run_id, lease, policies, client_files, self.keep_last, step)
         reply = self.host.request("/v1/runs/checkpoint/restore", request, ordered=True, label="restore_checkpoint")
         _expect(reply, RestoredCheckpoint)
+        for message in reply.warnings:  # corrupt checkpoints the server skipped: as loud here as in a local run
+            warnings.warn(f"{self.host.http.base_url}: {message}", RuntimeWarning, stacklevel=2)
         return reply
 
 

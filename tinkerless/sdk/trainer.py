@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import random
 import time
@@ -60,6 +61,8 @@ from tinkerless.wire.messages import (
     RolloutRequest,
     SamplingParams,
 )
+
+logger = logging.getLogger(__name__)
 
 CLIENT_STATE_FILE = "client.json"
 

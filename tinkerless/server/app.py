@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass, field
 import socket
 import tempfile
@@ -29,15 +30,18 @@ from typing import Any, Callable, Iterator, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tinkerless.errors import ProtocolError, ServerBusy
+from tinkerless.errors import ProtocolError, ServerBusy, TinkerlessError
 from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.keys import KeyStore
-from tinkerless.server.replies import error_response, stream_of, unauthorized
+from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK
 from tinkerless.wire.messages import ErrorReply
+from tinkerless.wire.validate import validate
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 # Replies that carry an ErrorReply contain its type tag; only those are decoded to pick a status.
@@ -90,8 +94,12 @@ def create_app(
         key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
         return keys.tenant_for(key)
 
+    known_methods = set(getattr(worker, "METHODS", ()))
+
     @app.post("/v1/call/{method}")
     async def call(method: str, request: Request) -> Response:
+        # The path is the caller's: /metrics must not grow a label per made-up name.
+        label = method if not known_methods or method in known_methods else "unknown"
         tenant = tenant_of(request)
         if tenant is None:
             return unauthorized()
@@ -101,11 +109,15 @@ def create_app(
             return error_response(400, exc)
         try:
             body = await read_body(request, max_request_bytes)
-            if tenant:  # multi-tenant: scope every policy name to the caller
-                body = encode_message(scope(decode_message(body), tenant_prefix(tenant)))
+            if tenant:  # multi-tenant: scope every policy name to the caller, once the request is known sound
+                decoded = decode_message(body)
+                if method in getattr(worker, "METHODS", ()) and method != "info":
+                    validate(decoded)  # the worker validates again, token ids included, after scoping
+                body = encode_message(scope(decoded, tenant_prefix(tenant)))
         except (RequestTooLarge, ProtocolError) as exc:
             if stream is not None:
                 scheduler.skip(tenant, stream, seq)  # refused before running: later calls must not wait for it
+            stats.count(label, 400 if isinstance(exc, ProtocolError) else 413)  # refusals show in /metrics too
             if isinstance(exc, ProtocolError):
                 return error_response(400, exc)
             return error_response(
@@ -124,18 +136,22 @@ def create_app(
         try:
             future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq)
         except QueueFull as full:
-            stats.count(method, 429)
+            stats.count(label, 429)
             return error_response(
                 429,
                 ServerBusy(str(full), hint=f"retry after {full.retry_after:.0f}s; HTTPBackend does this by itself"),
                 headers={"Retry-After": str(int(round(full.retry_after)))},
             )
         # Shielded: a dropped client must not cancel a call that may be mid-update on the model.
-        reply, compute_seconds = await asyncio.shield(asyncio.wrap_future(future))
+        try:
+            reply, compute_seconds = await asyncio.shield(asyncio.wrap_future(future))
+        except TinkerlessError as exc:  # refused by the scheduler (a reused sequence number)
+            stats.count(label, status_of(exc))
+            return error_response(status_of(exc), exc)
         if tenant:
             reply = encode_message(unscope(decode_message(reply), tenant_prefix(tenant)))
         status = _status_for(reply)
-        stats.count(method, status)
+        stats.count(label, status)
         # The server's own timing of the function body: what pay-per-use accounting bills.
         headers = {COMPUTE_SECONDS_HEADER: f"{compute_seconds:.6f}"}
         return Response(content=reply, status_code=status, media_type=MSGPACK, headers=headers)
@@ -155,6 +171,15 @@ def create_app(
         aliases = {resolve_model(worker.model_name)}
         app.state.tinker = tinker.mount(app, worker, scheduler, store, tenant_of,
                                         max_request_bytes=max_request_bytes, aliases=aliases, stats=stats)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        """The last resort: a bug answers a typed 500 in the route's own format, never a bare one."""
+        logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        error = TinkerlessError(f"internal error ({type(exc).__name__})", hint="this is a server bug; see the server's log")
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": f"{error.message} ({error.hint})", "category": "server"}, status_code=500)
+        return error_response(500, error)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -11,8 +14,36 @@ from tinkerless.wire.http import MSGPACK, SEQ_HEADER, STREAM_HEADER
 from tinkerless.wire.messages import ErrorReply
 
 
-def error_response(status: int, exc: TinkerlessError, headers: dict[str, str] | None = None) -> Response:
-    reply = ErrorReply(error=exc.message, category=exc.category, type=type(exc).__name__, hint=exc.hint)
+STORAGE_PLACEHOLDER = "<server storage>"
+_SEQ = re.compile(r"[0-9]{1,18}")
+
+
+class Redactor:
+    """Hides where the server keeps its data: a client learns a run's key, never the server's disk layout."""
+
+    def __init__(self, *roots: str | None):
+        spellings = set()
+        for root in roots:
+            if root:
+                spellings |= {root.rstrip("/"), os.path.abspath(root) if "://" not in root else root.rstrip("/")}
+                if "://" not in root:
+                    spellings.add(os.path.realpath(root))
+        # Longest first, so a root inside another is not half-replaced.
+        self.roots = sorted((s for s in spellings if len(s) > 1), key=len, reverse=True)
+
+    def __call__(self, text: str | None) -> str | None:
+        if not text:
+            return text
+        for root in self.roots:
+            text = text.replace(root, STORAGE_PLACEHOLDER)
+        return text
+
+
+def error_response(
+    status: int, exc: TinkerlessError, headers: dict[str, str] | None = None, redact: Redactor | None = None
+) -> Response:
+    message, hint = (redact(exc.message), redact(exc.hint)) if redact else (exc.message, exc.hint)
+    reply = ErrorReply(error=message or "", category=exc.category, type=type(exc).__name__, hint=hint)
     return Response(content=encode_message(reply), status_code=status, media_type=MSGPACK, headers=headers)
 
 
@@ -42,6 +73,10 @@ def stream_of(request: Request) -> tuple[str | None, int | None]:
     seq = request.headers.get(SEQ_HEADER)
     if stream is None or seq is None:
         return None, None
-    if not seq.isdigit() or len(stream) > 128:
-        raise ProtocolError(f"invalid {SEQ_HEADER} {seq!r} or {STREAM_HEADER}", hint="sequence numbers are integers from 1")
+    # ASCII digits only (str.isdigit accepts '²', which int() refuses), from 1, within 64 bits.
+    if not _SEQ.fullmatch(seq) or int(seq) < 1 or not 0 < len(stream) <= 128:
+        raise ProtocolError(
+            f"invalid {SEQ_HEADER} {seq[:32]!r} or {STREAM_HEADER} (of {len(stream)} characters)",
+            hint="sequence numbers are integers from 1, one per call; a stream id is 1-128 characters",
+        )
     return stream, int(seq)

@@ -31,13 +31,14 @@ from tinkerless.coordinator.policy_checkpoints import restore_policies, save_pol
 from tinkerless.coordinator.state import state_key, validate_run_id
 from tinkerless.errors import BarrierTimeout, CommitConflict, ProtocolError, ServerBusy, TinkerlessError, UserError
 from tinkerless.server.body import RequestTooLarge, read_body
-from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
+from tinkerless.server.replies import Redactor, error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import tenant_prefix
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK
-from tinkerless.wire.messages import LoadStateRequest, PolicyState, SaveStateRequest
+from tinkerless.wire.validate import run_call_args, validate
+from tinkerless.wire.messages import LoadStateRequest, PolicyState, ResetPolicyRequest, SaveStateRequest
 from tinkerless.wire.runs import (
     CheckpointPolicy,
     RestoreCheckpointRequest,
@@ -51,20 +52,6 @@ from tinkerless.wire.runs import (
 logger = logging.getLogger(__name__)
 
 LONG_POLL_SECONDS = 20.0  # a barrier wait answers within this; the client asks again until its own timeout
-
-# The transitions a client may call on its run, with the arguments each takes.
-_TRANSITIONS: dict[str, tuple[str, ...]] = {
-    "begin_rollout": ("step", "participants"),
-    "submit_rollout": ("step", "participant"),
-    "wait_rollouts": ("step", "timeout"),
-    "begin_update": ("step",),
-    "commit_update": ("step", "metrics"),
-    "record_checkpoint": ("step",),
-    "reset_to_checkpoint": ("step", "config"),
-    "finish": ("status", "summary"),
-    "heartbeat": ("interval",),
-}
-
 
 @dataclass
 class _Hosted:
@@ -81,6 +68,7 @@ class RunService:
         self.long_poll = long_poll
         self._hosted: dict[tuple[str, str], _Hosted] = {}
         self._lock = threading.Lock()
+        self.redact = Redactor(store.url)
 
     def tenant_store(self, tenant: str) -> ObjectStore:
         return self.store.child(f"tenants/{tenant or '_'}")
@@ -89,6 +77,7 @@ class RunService:
 
     def call(self, tenant: str, method: str, request: RunCall) -> RunReply:
         run_id = validate_run_id(request.run_id)
+        run_call_args(method, request.args)
         store = self.tenant_store(tenant)
         if method in ("create", "open"):
             if method == "create":
@@ -104,14 +93,6 @@ class RunService:
                 hosted = self._hosted.get((tenant, run_id))
             state = hosted.coordinator.state if hosted else Coordinator.open(store, run_id).state
             return RunReply(state.to_dict())
-        if method not in _TRANSITIONS:
-            raise ProtocolError(
-                f"unknown run call {method!r}",
-                hint=f"the server knows create, open, state and {', '.join(_TRANSITIONS)}; update the client or server",
-            )
-        unknown = set(request.args) - set(_TRANSITIONS[method])
-        if unknown:
-            raise ProtocolError(f"{method} takes {list(_TRANSITIONS[method])}, not {sorted(unknown)}")
         hosted = self._driver(tenant, run_id, request.lease)
         coordinator = hosted.coordinator
         try:
@@ -178,8 +159,13 @@ class RunService:
         def load(policy: CheckpointPolicy, files: dict[str, bytes], version: int) -> None:
             self.worker.load_state(LoadStateRequest(PolicyState(_on_worker(tenant, policy), files, version), True))
 
+        def reset(policy: CheckpointPolicy) -> None:
+            self.worker.reset_policy(ResetPolicyRequest(_on_worker(tenant, policy)))
+
         checkpoints = self._checkpoints(tenant, request.run_id, request.keep_last)
-        return restore_policies(checkpoints, request.policies, request.client_files, load, request.step)
+        restored = restore_policies(checkpoints, request.policies, request.client_files, load, reset, request.step)
+        restored.warnings = [self.redact(message) for message in restored.warnings]
+        return restored
 
     def _checkpoints(self, tenant: str, run_id: str, keep_last: int | None) -> CheckpointStore:
         return CheckpointStore(self.tenant_store(tenant), checkpoint_prefix(run_id), keep_last=keep_last)
@@ -213,6 +199,7 @@ def make_router(
                 raise ProtocolError(
                     f"expected a {expected.__name__}, got {type(body).__name__}", hint="use the matching client version"
                 )
+            validate(body)
         except RequestTooLarge as exc:
             if stream is not None:
                 scheduler.skip(tenant, stream, seq)
@@ -220,7 +207,7 @@ def make_router(
         except ProtocolError as exc:
             if stream is not None:
                 scheduler.skip(tenant, stream, seq)
-            return error_response(400, exc)
+            return error_response(400, exc, redact=service.redact)
         def timed() -> tuple[Any, float]:
             started = time.perf_counter()
             return run(tenant, body), time.perf_counter() - started
@@ -237,10 +224,11 @@ def make_router(
                 429, ServerBusy(str(full)), headers={"Retry-After": str(int(round(full.retry_after)))}
             )
         except TinkerlessError as exc:
-            return error_response(status_of(exc), exc)
-        except Exception as exc:  # a bug here, not the caller's: say so, keep the server up
+            return error_response(status_of(exc), exc, redact=service.redact)
+        except Exception as exc:  # a bug here, not the caller's: say so (without the server's paths), keep the server up
             logger.exception("run call failed")
-            return error_response(500, TinkerlessError(f"{type(exc).__name__}: {exc}", hint="see the server's log"))
+            error = TinkerlessError(f"internal error ({type(exc).__name__})", hint="this is a server bug; see the server's log")
+            return error_response(500, error)
         headers = {COMPUTE_SECONDS_HEADER: f"{seconds:.6f}"} if ordered else None  # checkpoints are billed work
         return Response(content=encode_message(reply), media_type=MSGPACK, headers=headers)
 

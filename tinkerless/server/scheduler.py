@@ -27,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tinkerless.errors import SequenceReused
+
 logger = logging.getLogger(__name__)
 
 
@@ -89,9 +91,7 @@ class Scheduler:
                 state = self._streams.setdefault((tenant, stream), _Stream())
                 if seq < state.next_seq or seq in state.waiting:
                     self._pending -= 1
-                    job.future.set_exception(
-                        ValueError(f"sequence number {seq} was already used on this stream (next is {state.next_seq})")
-                    )
+                    job.future.set_exception(SequenceReused(seq, state.next_seq))
                     return job.future
                 state.waiting[seq] = job
                 self._release(state)

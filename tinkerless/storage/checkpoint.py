@@ -268,8 +268,11 @@ class CheckpointStore:
         step = check_step(step)
         return self._load_dir(step, self._resolve(step, self._read_pointer(quiet=True)[0]))
 
-    def load_latest(self) -> Checkpoint | None:
-        """The newest valid committed checkpoint, skipping (with a warning) corrupt or half-written ones."""
+    def load_latest(self, skipped: list[str] | None = None) -> Checkpoint | None:
+        """The newest valid committed checkpoint, skipping (with a warning) corrupt or half-written ones.
+
+        Each skip's warning is also appended to `skipped`, for a caller that reports it further (a server
+        tells its client)."""
         for attempt in range(_READ_ATTEMPTS):
             pointer, version = self._read_pointer(quiet=attempt > 0)
             for step, name in self._candidates(pointer, self._scan()):
@@ -278,7 +281,10 @@ class CheckpointStore:
                 except (CorruptCheckpoint, StorageNotFound) as e:
                     if attempt + 1 < _READ_ATTEMPTS and self._pointer_version() != version:
                         break  # a writer committed (and may have pruned this step): start over
-                    _warn(f"skipped checkpoint step {step}: {e.message}; falling back to an older checkpoint")
+                    message = f"skipped checkpoint step {step}: {e.message}; falling back to an older checkpoint"
+                    _warn(message)
+                    if skipped is not None:
+                        skipped.append(message)
             else:
                 return None
         return None

@@ -249,9 +249,11 @@ def decode_message(data: bytes) -> Any:
         raise ProtocolError(f"malformed message: {exc}") from exc
     if not isinstance(envelope, dict) or "v" not in envelope:
         raise ProtocolError("malformed message: no protocol envelope")
+    if "body" not in envelope:
+        raise ProtocolError("malformed message: the envelope has no body", hint="send encode_message(request)")
     if envelope["v"] != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"protocol version {envelope['v']!r} is not supported (this side speaks {PROTOCOL_VERSION})",
+            f"protocol version {repr(envelope['v'])[:32]} is not supported (this side speaks {PROTOCOL_VERSION})",
             hint="upgrade tinkerless on the older side so client and server match",
         )
     return envelope["body"]

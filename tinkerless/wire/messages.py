@@ -57,6 +57,13 @@ class CreatePolicyRequest:
 
 
 @dataclass
+class ResetPolicyRequest:
+    """Put an existing policy back to its fresh init: the adapter its LoRA seed gives, a new optimizer, version 0."""
+
+    policy: str
+
+
+@dataclass
 class RolloutRequest:
     policy: str
     tasks: list[dict]

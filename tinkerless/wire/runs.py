@@ -79,6 +79,10 @@ class RestoreCheckpointRequest:
 
 @dataclass
 class RestoredCheckpoint:
-    step: int | None  # None: the run has no valid checkpoint
+    """What a restore loaded. With `step` None the run had no valid checkpoint and every policy was
+    reset to its fresh init; `warnings` name the checkpoints skipped as corrupt on the way."""
+
+    step: int | None
     files: dict[str, bytes] = field(default_factory=dict)
     policy_versions: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)

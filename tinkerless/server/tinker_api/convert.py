@@ -159,10 +159,25 @@ def sample_response(sequences: list[tuple[list[int], list[float], str]], prompt_
     return out.SerializeToString()
 
 
+def options(body: dict, key: str) -> dict:
+    """An optional nested object of a request (`sampling_params`, `adam_params`, ...): absent or null is {}."""
+    value = body.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UserError(f"{key} must be a JSON object, got {type(value).__name__}", hint="see the Tinker API types")
+    return value
+
+
 def model_input_tokens(model_input: dict) -> list[int]:
     """Tokens of a JSON ModelInput ({"chunks": [{"type": "encoded_text", "tokens": [...]}, ...]})."""
     tokens: list[int] = []
-    for chunk in (model_input or {}).get("chunks", []):
+    chunks = (model_input or {}).get("chunks", [])
+    if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
+        raise UserError("prompt.chunks must be a list of chunk objects", hint='send {"chunks": [{"tokens": [...]}]}')
+    for chunk in chunks:
+        if not isinstance(chunk.get("tokens", []), list):
+            raise UserError("a prompt chunk's tokens must be a list of token ids")
         if chunk.get("type", "encoded_text") != "encoded_text":
             raise UserError(f"{chunk.get('type')} prompt chunks are not supported", hint="send token chunks only")
         tokens.extend(int(t) for t in chunk.get("tokens", []))

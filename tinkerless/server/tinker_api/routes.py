@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import logging
 from typing import Any
 
@@ -69,15 +70,15 @@ def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats
         except TinkerlessError as exc:
             return _error(400, exc.message, hint=exc.hint)
         try:
-            payload: Any = body if raw else (json.loads(body) if body else {})
+            payload: Any = body if raw else parse_json_object(body)
             result = handler(tenant, payload)
         except NotFound as missing:
             return _error(404, f"not found: {missing}")
         except QueueFull as full:
             return JSONResponse({"error": str(full), "category": "server"}, status_code=429,
                                 headers={"Retry-After": str(int(round(full.retry_after)))})
-        except (KeyError, TypeError, ValueError) as exc:
-            return _error(400, f"malformed request: {type(exc).__name__}: {exc}")
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # a field missing or of the wrong kind
+            return _error(400, f"malformed request: {type(exc).__name__}: {str(exc)[:300]}")
         except TinkerlessError as exc:
             return _error(400 if exc.category == "user" else 500, exc.message, exc.category, getattr(exc, "hint", None))
         return JSONResponse(result)
@@ -132,15 +133,24 @@ def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats
         tenant = tenant_of(request)
         if tenant is None:
             return _error(401, "missing or invalid API key")
-        body = await request.json()
         try:
-            future = service.future(tenant, body["request_id"])
+            body = parse_json_object(await read_body(request, max_request_bytes))
+            request_id = body["request_id"]
+            if not isinstance(request_id, str):
+                raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        except RequestTooLarge as too_large:
+            return _error(413, f"request body of {too_large.size} bytes is over this server's limit of {too_large.limit}")
+        except (TinkerlessError, KeyError, TypeError, ValueError) as exc:
+            return _error(400, f"malformed retrieve_future request: {getattr(exc, 'message', None) or exc!r}"[:400],
+                          hint='send {"request_id": "<id from the call>"}')
+        try:
+            future = service.future(tenant, request_id)
         except KeyError:
-            return _error(404, f"unknown request id {body.get('request_id')!r}")
+            return _error(404, f"unknown request id {request_id[:128]!r}")
         try:
             result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), POLL_SECONDS)
         except asyncio.TimeoutError:
-            return JSONResponse({"type": "try_again", "request_id": body["request_id"], "queue_state": "active"},
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"},
                                 status_code=408)
         except Exception as exc:  # noqa: BLE001 - the call failed: the SDK gets a typed failure
             return JSONResponse(_failure(exc))
@@ -178,6 +188,33 @@ def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats
         return await call(request, delete)
 
     return router
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf, which no field accepts
+        raise ValueError(f"number {text[:32]} is out of range")
+    return value
+
+
+def parse_json_object(body: bytes) -> dict:
+    """A request body as a JSON object: empty is {}, anything but an object (a list, null, a number),
+    non-finite numbers or a nesting too deep to parse are a ValueError (HTTP 400)."""
+    if not body:
+        return {}
+    try:
+        value = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("the JSON body is nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the body is not UTF-8 JSON ({exc.reason})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"the body must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _found(fn):

@@ -28,6 +28,7 @@ from tinkerless.server.scheduler import Scheduler
 from tinkerless.server.tenancy import tenant_prefix
 from tinkerless.server.tinker_api import convert
 from tinkerless.server.tinker_api.checkpoints import CheckpointRegistry, TinkerPath, check_name, now_iso
+from tinkerless.wire.validate import validate
 from tinkerless.wire.messages import (
     BASE_POLICY,
     AdamParams,
@@ -39,6 +40,7 @@ from tinkerless.wire.messages import (
     LoraConfig,
     OptimStepRequest,
     PolicyState,
+    SampleRequest,
     SaveStateRequest,
 )
 
@@ -173,18 +175,18 @@ class TinkerService:
         return TrainingModel(model_id, tenant, policy, self.base_model, 0, metadata)
 
     def create_model(self, tenant: str, body: dict) -> dict:
-        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        optimizer = convert.options(body, "optimizer_config").get("type", "adamw")
         if optimizer != "adamw":
             raise UserError(f"optimizer {optimizer!r} is not supported", hint="this server trains with adamw")
         model = self._new_model(tenant, body["session_id"], body["model_seq_id"], body.get("base_model"), body.get("user_metadata"))
-        lora = body.get("lora_config") or {}
+        lora = convert.options(body, "lora_config")
         rank = int(lora.get("rank", 32))
         if not 1 <= rank <= 256:
             raise UserError(f"lora rank {rank} is out of range", hint="use a rank between 1 and 256")
         model.lora_rank = rank
         targets = convert.lora_target_modules(lora)
         seed = lora.get("seed")
-        config = LoraConfig(rank=rank, alpha=32, target_modules=targets, seed=int(seed) if seed is not None else 0)
+        config = validate(LoraConfig(rank=rank, alpha=32, target_modules=targets, seed=int(seed) if seed is not None else 0))
 
         def run() -> dict:
             self.worker.create_policy(CreatePolicyRequest(model.policy, config))
@@ -215,11 +217,12 @@ class TinkerService:
         model_id, seq_id, loss_fn, config, forward_only, raw = convert.parse_forward_backward(body)
         model = self.model(tenant, model_id)
 
-        def run() -> Proto:
+        def run() -> Proto:  # checked in here: a refused call must still use up its place in the model's order
             loss = convert.loss_config(loss_fn, config)
             data = [convert.to_datum(i, tokens, inputs, loss_fn) for i, (tokens, inputs) in enumerate(raw)]
             if not data:
                 raise UserError("forward_backward got no data", hint="send at least one Datum")
+            validate(ForwardBackwardRequest(model.policy, data, loss), vocab_size=self.worker.vocab_size)
             if forward_only:
                 logprobs = self.worker.forward(ForwardRequest(model.policy, data)).logprobs
                 metrics = {"loss": _loss_value(loss, data, logprobs)}
@@ -232,7 +235,7 @@ class TinkerService:
 
     def optim_step(self, tenant: str, body: dict) -> dict:
         model = self.model(tenant, body["model_id"])
-        p = body.get("adam_params") or {}
+        p = convert.options(body, "adam_params")
         adam = AdamParams(
             learning_rate=float(p.get("learning_rate", 1e-4)),
             beta1=float(p.get("beta1", 0.9)),
@@ -243,6 +246,7 @@ class TinkerService:
         )
 
         def run() -> dict:
+            validate(adam)  # here, not before queueing: a refused call must still use up its place in the order
             result = self.worker.optim_step(OptimStepRequest(model.policy, adam))
             return {"metrics": {"grad_norm:mean": result.metrics["grad_norm"], "learning_rate:mean": adam.learning_rate}}
 
@@ -363,16 +367,17 @@ class TinkerService:
         if unsupported:
             raise UserError(f"sampling options {unsupported} are not supported by this server",
                             hint="ask for sampled-token logprobs and prompt_logprobs only")
-        prompt = convert.model_input_tokens(body.get("prompt") or {})
+        prompt = convert.model_input_tokens(convert.options(body, "prompt"))
         if not prompt:
             raise UserError("the prompt is empty", hint="send at least one token")
         num_samples = int(body.get("num_samples", 1))
         if not 1 <= num_samples <= 1024:
             raise UserError(f"num_samples={num_samples} is out of range (1-1024)")
-        params = body.get("sampling_params") or {}
+        params = convert.options(body, "sampling_params")
         sampling, stop_strings = convert.sampling_params(params, self.worker)
         seed = params.get("seed")
         seed = int(seed) if seed is not None else secrets.randbelow(2**31)
+        validate(SampleRequest("base", [prompt], num_samples, sampling, seed), vocab_size=self.worker.vocab_size)
         want_prompt_logprobs = bool(body.get("prompt_logprobs"))
         ids = [f"seq-{next(self._sequence_ids)}-{secrets.token_hex(4)}" for _ in range(num_samples)]
 

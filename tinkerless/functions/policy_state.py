@@ -1,0 +1,98 @@
+"""Reading a policy state someone sent (`load_state`): every file is parsed and checked before any is applied.
+
+A state arrives from a client (or a checkpoint a client may have edited), so nothing in it
+is trusted: a file that does not parse, a config of the wrong shape, weights that do not fit
+the model or an optimizer state for other parameters is a `UserError` naming the file, and
+the policy is left untouched (no half-loaded adapter).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tinkerless.errors import InvalidRequest, UserError
+from tinkerless.wire.messages import LoraConfig
+from tinkerless.wire.validate import validate
+
+ADAPTER_CONFIG = "adapter/adapter_config.json"
+ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"
+OPTIMIZER = "optimizer.pt"
+RNG = "worker_rng.pt"
+_HINT = "load a state written by save_state (or a PEFT adapter directory's files under adapter/)"
+
+
+@dataclass
+class ParsedState:
+    lora: LoraConfig  # the adapter's shape, for a policy that does not exist yet
+    weights: dict[str, torch.Tensor]
+    optimizer: dict | None
+    rng: torch.Tensor | None
+
+
+def _bad(policy: str, name: str, why: Any) -> UserError:
+    return UserError(f"policy state for {policy!r}: {name} is not usable ({why})", hint=_HINT)
+
+
+def parse_policy_state(policy: str, files: dict[str, bytes], include_optimizer: bool) -> ParsedState:
+    from safetensors.torch import load as load_safetensors
+
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if name not in files:
+            raise UserError(f"policy state for {policy!r} has no {name}", hint=_HINT)
+    try:
+        config = json.loads(files[ADAPTER_CONFIG])
+    except (ValueError, RecursionError) as exc:
+        raise _bad(policy, ADAPTER_CONFIG, exc) from None
+    if not isinstance(config, dict):
+        raise _bad(policy, ADAPTER_CONFIG, f"a JSON object is expected, got {type(config).__name__}")
+    modules = config.get("target_modules") or "all-linear"
+    lora = LoraConfig(
+        rank=config.get("r", 16),
+        alpha=config.get("lora_alpha", 32),
+        dropout=config.get("lora_dropout", 0.0),
+        target_modules=sorted(modules) if isinstance(modules, list) else modules,
+    )
+    try:
+        validate(lora)
+    except InvalidRequest as exc:
+        raise _bad(policy, ADAPTER_CONFIG, exc.message) from None
+    try:
+        weights = load_safetensors(files[ADAPTER_WEIGHTS])
+    except Exception as exc:  # safetensors raises its own SafetensorError on garbage
+        raise _bad(policy, ADAPTER_WEIGHTS, f"{type(exc).__name__}: {exc}") from None
+    optimizer = _torch_file(policy, files, OPTIMIZER) if include_optimizer else None
+    if optimizer is not None and not (isinstance(optimizer, dict) and {"state", "param_groups"} <= set(optimizer)):
+        raise _bad(policy, OPTIMIZER, "not an optimizer state_dict")
+    rng = _torch_file(policy, files, RNG)
+    if rng is not None:
+        rng = rng.get("torch") if isinstance(rng, dict) else None
+        reference = torch.get_rng_state()
+        if not (isinstance(rng, torch.Tensor) and rng.dtype == reference.dtype and rng.shape == reference.shape):
+            raise _bad(policy, RNG, "not a torch RNG state")
+    return ParsedState(lora, weights, optimizer, rng)
+
+
+def _torch_file(policy: str, files: dict[str, bytes], name: str) -> Any:
+    if name not in files:
+        return None
+    try:
+        return torch.load(io.BytesIO(files[name]), weights_only=True)  # weights_only: no code from the wire
+    except Exception as exc:  # unpickling garbage raises many types
+        raise _bad(policy, name, f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def check_weights_fit(policy: str, weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """The adapter's tensors must be exactly the policy's own: same names and shapes, nothing else."""
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise _bad(policy, ADAPTER_WEIGHTS, f"weights for parameters this adapter lacks: {unexpected[:3]}")
+    wrong = [k for k, v in weights.items() if tuple(v.shape) != tuple(expected[k].shape)]
+    if wrong:
+        k = wrong[0]
+        raise _bad(policy, ADAPTER_WEIGHTS, f"{k} has shape {tuple(weights[k].shape)}, the adapter's is "
+                   f"{tuple(expected[k].shape)} (another LoRA rank or model?)")

@@ -1,0 +1,363 @@
+"""Validation of every wire type a client sends: types, finiteness and ranges, in one place.
+
+`validate(request)` walks a decoded request: each dataclass field is checked against its
+annotation (an `int` is never a bool or a float, a `float` is finite, a `list[int]` holds
+ints, ...), then against the ranges in `_RULES` for that class. Plain data (`tasks`,
+metadata, run-call arguments) must be JSON-like and at most `MAX_DEPTH` levels deep, so
+nothing later recurses into a hostile nesting. `run_call_args` does the same for the
+arguments of each coordinator call.
+
+The server calls these at its boundary (`Worker.handle`, the run routes, the Tinker routes)
+before any value reaches the model, the optimizer or storage: a caller's mistake is an
+`InvalidRequest` (HTTP 400, category "user") naming the field, never a 500 later on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from typing import Any, Callable
+
+import numpy as np
+
+from tinkerless.errors import InvalidRequest, TinkerlessError
+
+MAX_DEPTH = 32  # nesting of plain data (tasks, metadata); real requests use a handful of levels
+MAX_SEED = 2**63 - 1
+MAX_POLICY_NAME = 200  # worker-side names (tenant and run prefixes included) become file names (255 bytes)
+_POLICY_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _fail(path: str, message: str, hint: str | None = None) -> None:
+    raise InvalidRequest(f"{path} {message}", hint=hint or "fix the value in the request (see docs/api.md)")
+
+
+# ---- generic checks against the annotations -------------------------------------------------
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+def _check_number(value: Any, kind: type, path: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        _fail(path, f"must be a{'n integer' if kind is int else ' number'}, got {type(value).__name__}")
+    if kind is int and not isinstance(value, (int, np.integer)):
+        _fail(path, f"must be an integer, got {value!r}")
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        _fail(path, f"must be a finite number, got {value!r}")
+
+
+def _check_plain(value: Any, path: str, depth: int) -> None:
+    """JSON-like data (and arrays, dataclasses inside it), at most MAX_DEPTH levels deep."""
+    if depth > MAX_DEPTH:
+        _fail(path, f"is nested more than {MAX_DEPTH} levels deep", "send flatter data")
+    if value is None or isinstance(value, (str, bool, bytes, np.ndarray)):
+        return
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        _check_number(value, float, path)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{path}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                _fail(path, f"has a key of type {type(key).__name__}; keys must be strings")
+            _check_plain(item, f"{path}[{key!r}]", depth + 1)
+    elif dataclasses.is_dataclass(value):
+        _check(value, Any, path, depth + 1)
+    else:
+        _fail(path, f"holds a {type(value).__name__}, which is not plain data")
+
+
+def _check(value: Any, hint: Any, path: str, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        _fail(path, f"is nested more than {MAX_DEPTH} levels deep", "send flatter data")
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _check_dataclass(value, path, depth)
+        else:
+            _check_plain(value, path, depth)
+    elif origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _check(value, option, path, depth)
+            except InvalidRequest as exc:
+                errors.append(exc.message)
+        _fail(path, f"has the wrong type ({'; or '.join(errors)})")
+    elif hint in (int, float):
+        _check_number(value, hint, path)
+    elif hint in (str, bytes, bool):
+        if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
+            _fail(path, f"must be a {hint.__name__}, got {type(value).__name__}")
+    elif hint in (dict, list):
+        if not isinstance(value, hint):
+            _fail(path, f"must be a {'map' if hint is dict else 'list'}, got {type(value).__name__}")
+        _check_plain(value, path, depth)
+    elif hint is np.ndarray:
+        if not isinstance(value, np.ndarray):
+            _fail(path, f"must be an array, got {type(value).__name__}")
+    elif origin is list:
+        if not isinstance(value, list):
+            _fail(path, f"must be a list, got {type(value).__name__}")
+        (item,) = typing.get_args(hint) or (Any,)
+        for i, element in enumerate(value):
+            _check(element, item, f"{path}[{i}]", depth + 1)
+    elif origin is dict:
+        if not isinstance(value, dict):
+            _fail(path, f"must be a map, got {type(value).__name__}")
+        key_hint, item_hint = typing.get_args(hint) or (str, Any)
+        for key, element in value.items():
+            _check(key, key_hint, f"{path} key", depth + 1)
+            _check(element, item_hint, f"{path}[{key!r}]", depth + 1)
+    elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if not isinstance(value, hint):
+            _fail(path, f"must be a {hint.__name__}, got {type(value).__name__}")
+        _check_dataclass(value, path, depth)
+    else:  # an annotation this walker does not know: refuse to guess
+        raise TypeError(f"cannot validate {path} against {hint!r}")
+
+
+def _check_dataclass(value: Any, path: str, depth: int) -> None:
+    cls = type(value)
+    for name, hint in _hints(cls).items():
+        _check(getattr(value, name), hint, f"{path}.{name}", depth + 1)
+    for name, rule in _RULES.get(cls, {}).items():
+        rule(getattr(value, name), f"{path}.{name}")
+    own = getattr(value, "validate", None)
+    if callable(own):  # a type's own consistency checks (LossConfig)
+        try:
+            own()
+        except TinkerlessError as exc:
+            raise InvalidRequest(f"{path}: {exc.message}", hint=exc.hint) from None
+
+
+# ---- ranges ---------------------------------------------------------------------------------
+
+
+def between(low: float | None = None, high: float | None = None, *, low_open: bool = False, high_open: bool = False):
+    def rule(value: Any, path: str) -> None:
+        if value is None:
+            return
+        too_low = low is not None and (value <= low if low_open else value < low)
+        too_high = high is not None and (value >= high if high_open else value > high)
+        if too_low or too_high:
+            lo = "" if low is None else f"{'(' if low_open else '['}{low}"
+            hi = "" if high is None else f"{high}{')' if high_open else ']'}"
+            _fail(path, f"is {value!r}, out of range {lo or '(-inf'}, {hi or 'inf)'}")
+
+    return rule
+
+
+def policy_name(value: Any, path: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or not _POLICY_NAME.fullmatch(value) or len(value) > MAX_POLICY_NAME:
+        _fail(
+            path,
+            f"is not a valid policy name: {str(value)[:64]!r}{'...' if len(str(value)) > 64 else ''}",
+            "use a short name of ASCII letters, digits, '-' and '_' (at most 128 characters)",
+        )
+
+
+def _non_empty(value: Any, path: str) -> None:
+    if not value:
+        _fail(path, "must not be empty")
+
+
+def _json(value: Any, path: str) -> None:
+    _check_plain(value, path, 0)
+
+
+def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
+    from tinkerless.wire import messages as m
+    from tinkerless.wire import runs as r
+
+    seed = between(0, MAX_SEED)
+    count = between(1)
+    step = between(0)
+    return {
+        m.SamplingParams: {"max_tokens": between(0), "temperature": between(0, 1000), "top_p": between(0, 1, low_open=True),
+                           "top_k": between(0)},
+        m.LoraConfig: {"rank": between(1, 256), "alpha": between(0, low_open=True), "dropout": between(0, 1, high_open=True),
+                       "target_modules": _non_empty, "seed": seed},
+        m.AdamParams: {"learning_rate": between(0), "beta1": between(0, 1, high_open=True),
+                       "beta2": between(0, 1, high_open=True), "eps": between(0, low_open=True),
+                       "weight_decay": between(0), "grad_clip_norm": between(0)},
+        m.EpisodeLimits: {"max_turns": count, "max_episode_tokens": count},
+        m.CreatePolicyRequest: {"policy": policy_name},
+        m.ResetPolicyRequest: {"policy": policy_name},
+        m.RolloutRequest: {"policy": policy_name, "group_size": count, "seed": seed, "tasks": _json},
+        m.MultiAgentRolloutRequest: {"group_size": count, "seed": seed, "tasks": _json,
+                                     "protocol_timeout": between(0, 86400, low_open=True), "seats": _non_empty},
+        m.Seat: {"policy": policy_name},
+        m.ForwardRequest: {"policy": policy_name},
+        m.ForwardBackwardRequest: {"policy": policy_name, "data": _non_empty},
+        m.OptimStepRequest: {"policy": policy_name},
+        m.UpdateRequest: {"policy": policy_name, "data": _non_empty},
+        m.SampleRequest: {"policy": policy_name, "prompts": _non_empty, "num_samples": count, "seed": seed},
+        m.PolicyState: {"policy": policy_name, "policy_version": step},
+        m.SaveStateRequest: {"policy": policy_name},
+        r.CheckpointPolicy: {"worker_policy": policy_name, "version": step},
+        r.SaveCheckpointRequest: {"step": step, "keep_last": count, "metadata": _json},
+        r.RestoreCheckpointRequest: {"step": step, "keep_last": count},
+    }
+
+
+_RULES: dict[type, dict[str, Callable[[Any, str], None]]] = {}
+
+
+# ---- token ids ----------------------------------------------------------------------------
+
+
+def _token_ids(request: Any, vocab_size: int) -> None:
+    """Token ids must index the model's embedding: anything else fails deep inside the model."""
+    from tinkerless.wire import messages as m
+
+    def check(ids: Any, path: str) -> None:
+        array = np.asarray(ids)
+        if array.size and (array.min() < 0 or array.max() >= vocab_size):
+            bad = int(array.min()) if array.min() < 0 else int(array.max())
+            _fail(path, f"holds token id {bad}, outside this model's vocabulary [0, {vocab_size})",
+                  "tokenize with the server model's own tokenizer")
+
+    for name in ("data",):
+        for i, datum in enumerate(getattr(request, name, None) or []):
+            if isinstance(datum, m.Datum):
+                check(datum.tokens, f"{type(request).__name__}.data[{i}].tokens")
+    if isinstance(request, m.SampleRequest):
+        for i, prompt in enumerate(request.prompts):
+            if isinstance(prompt, list):
+                check(prompt, f"SampleRequest.prompts[{i}]")
+    sampling = getattr(request, "sampling", None)
+    if isinstance(sampling, m.SamplingParams):
+        if sampling.stop_token_ids:
+            check(sampling.stop_token_ids, f"{type(request).__name__}.sampling.stop_token_ids")
+        if sampling.top_k > vocab_size:
+            _fail(f"{type(request).__name__}.sampling.top_k", f"is {sampling.top_k}, above the vocabulary size {vocab_size}")
+
+
+def _datums(request: Any) -> None:
+    """Every per-token array of a Datum is 1-D, aligned with its tokens, and finite."""
+    from tinkerless.wire import messages as m
+
+    for i, datum in enumerate(getattr(request, "data", None) or []):
+        if not isinstance(datum, m.Datum):
+            continue
+        path = f"{type(request).__name__}.data[{i}]"
+        if datum.tokens.ndim != 1 or datum.tokens.dtype.kind not in "iu" or len(datum.tokens) < 1:
+            _fail(f"{path}.tokens", "must be a non-empty 1-D integer array")
+        for name in ("mask", "advantages", "sampler_logprobs", "old_logprobs", "ref_logprobs"):
+            values = getattr(datum, name)
+            if values is None:
+                continue
+            if values.shape != datum.tokens.shape or values.dtype.kind not in "fiu":
+                _fail(f"{path}.{name}", f"must be a numeric array of shape {datum.tokens.shape}, got {values.shape}")
+            if values.dtype.kind == "f" and not np.isfinite(values).all():
+                _fail(f"{path}.{name}", "holds NaN or infinite values")
+
+
+def validate(request: Any, *, vocab_size: int | None = None) -> Any:
+    """Check a decoded request (any tinkerless wire dataclass); InvalidRequest names the first bad field."""
+    if not _RULES:
+        _RULES.update(_rules())
+    if not (dataclasses.is_dataclass(request) and not isinstance(request, type)):
+        _fail("the request", f"must be a tinkerless request type, got {type(request).__name__}")
+    _check_dataclass(request, type(request).__name__, 0)
+    _datums(request)
+    if vocab_size is not None:
+        _token_ids(request, vocab_size)
+    return request
+
+
+# ---- coordinator calls ---------------------------------------------------------------------
+
+def _participants(value: Any, path: str) -> None:
+    if not isinstance(value, list) or not value or not all(isinstance(p, str) and 0 < len(p) <= 128 for p in value):
+        _fail(path, "must be a non-empty list of participant names (strings of 1-128 characters)")
+
+
+def _participant(value: Any, path: str) -> None:
+    if not isinstance(value, str) or not 0 < len(value) <= 128:
+        _fail(path, "must be a participant name (a string of 1-128 characters)")
+
+
+def _step(value: Any, path: str) -> None:
+    _check_number(value, int, path)
+    between(0)(value, path)
+
+
+def _timeout(value: Any, path: str) -> None:
+    if value is not None:
+        _check_number(value, float, path)
+        between(0)(value, path)
+
+
+def _interval(value: Any, path: str) -> None:
+    _check_number(value, float, path)
+    between(0, 86400, low_open=True)(value, path)
+
+
+def _optional_map(value: Any, path: str) -> None:
+    if value is not None:
+        if not isinstance(value, dict):
+            _fail(path, f"must be a map or null, got {type(value).__name__}")
+        _check_plain(value, path, 0)
+
+
+def _status(value: Any, path: str) -> None:
+    if value not in ("finished", "failed", "interrupted"):
+        _fail(path, f"must be 'finished', 'failed' or 'interrupted', got {str(value)[:32]!r}")
+
+
+RUN_CALL_ARGS: dict[str, dict[str, Callable[[Any, str], None]]] = {
+    "create": {"config": _optional_map},
+    "open": {},
+    "state": {},
+    "begin_rollout": {"step": _step, "participants": _participants},
+    "submit_rollout": {"step": _step, "participant": _participant},
+    "wait_rollouts": {"step": _step, "timeout": _timeout},
+    "begin_update": {"step": _step},
+    "commit_update": {"step": _step, "metrics": _optional_map},
+    "record_checkpoint": {"step": _step},
+    "reset_to_checkpoint": {"step": _step, "config": _optional_map},
+    "finish": {"status": _status, "summary": _optional_map},
+    "heartbeat": {"interval": _interval},
+}
+_REQUIRED = {"begin_rollout": {"step"}, "submit_rollout": {"step", "participant"}, "wait_rollouts": {"step"},
+             "begin_update": {"step"}, "commit_update": {"step"}, "record_checkpoint": {"step"},
+             "reset_to_checkpoint": {"step"}, "heartbeat": {"interval"}}
+
+
+def run_call_args(method: str, args: Any) -> dict:
+    """The arguments of coordinator call `method`, checked: known names, required ones present, right types."""
+    if method not in RUN_CALL_ARGS:
+        raise InvalidRequest(
+            f"unknown run call {method[:64]!r}",
+            hint=f"the server knows {', '.join(RUN_CALL_ARGS)}; update the client or server",
+        )
+    schema = RUN_CALL_ARGS[method]
+    if not isinstance(args, dict):
+        _fail(f"{method} arguments", f"must be a map, got {type(args).__name__}")
+    unknown = set(args) - set(schema)
+    if unknown:
+        _fail(f"{method}", f"takes {list(schema)}, not {sorted(map(str, unknown))}")
+    missing = _REQUIRED.get(method, set()) - set(args)
+    if missing:
+        _fail(f"{method}", f"needs the arguments {sorted(missing)}")
+    for name, value in args.items():
+        schema[name](value, f"{method}({name}=...)")
+    return args
