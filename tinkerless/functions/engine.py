@@ -4,25 +4,44 @@
 (in `vllm_engine.py`) is chosen when vllm and a GPU are present. Both take
 token ids in and give token ids out with the sampler's per-token log-probs
 (of the untempered distribution, which is what the trainer recomputes).
+
+The transformers engine decodes with its own loop over a `GenerationJob` rather than
+`model.generate`, for three reasons:
+
+* **Every returned token was drawn by the sampler.** A row that stops leaves the batch
+  (its KV cache rows are dropped); nothing is padded after it, and stop tokens are exactly
+  the ones asked for: `stop_token_ids=[]` means no token ends a sample early, not even EOS
+  (`generate` falls back to the model's EOS when given none).
+* **Resumable.** A job keeps its KV cache and per-row random generators between steps, so a
+  server can pause it between slices and run other tenants' calls (`slicing`), and a later
+  continuous batcher can step several jobs.
+* **Reproducible.** Row i of a request draws from its own generator seeded by (seed, i): the
+  same seed gives the same tokens whether the job is paused or not, whatever runs in between,
+  and however the request is split into batches (up to floating-point differences of
+  batched matrix products).
 """
 
 from __future__ import annotations
 
-import copy
-
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
+from transformers import DynamicCache
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from tinkerless.functions.slicing import slice_due, yield_slice
 from tinkerless.wire.messages import SamplingParams
+
+# Rows x (prompt + max_tokens) positions one batch may hold in its KV cache (~3 GB for SmolLM2-135M in fp32).
+DEFAULT_MAX_BATCH_POSITIONS = 65536
 
 
 @dataclass
 class Generation:
     tokens: list[int]
     logprobs: list[float]
-    stop_reason: str  # "stop" (end-of-turn token) | "length"
+    stop_reason: str  # "stop" (a stop token was drawn, and is the last token) | "length"
 
 
 class Engine(Protocol):
@@ -35,8 +54,129 @@ class Engine(Protocol):
         ...
 
 
+def row_seed(seed: int, index: int) -> int:
+    """The seed of row `index` of a request seeded with `seed` (any int; a 63-bit result)."""
+    return (seed * 6364136223846793005 + (index + 1) * 1442695040888963407) % (1 << 63)
+
+
+@dataclass
+class _Row:
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str | None = None
+
+
+class GenerationJob:
+    """A batch of sequences mid-decode: KV cache, per-row generators, what each row has drawn.
+
+    `advance(model)` runs one step (the prefill first) with whatever adapter the caller
+    activated; between steps the job holds no reference to the model, so the caller may
+    deactivate its adapter and let other work use the model.
+    """
+
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        *,
+        stop_ids: list[int],
+        seed: int,
+        first_index: int,
+        pad_id: int,
+        device: torch.device,
+    ):
+        self.sampling = sampling
+        self.stop_ids = set(stop_ids)
+        self.device = device
+        self.rows = [
+            _Row(torch.Generator(device=device).manual_seed(row_seed(seed, first_index + i))) for i in range(len(prompts))
+        ]
+        width = max(len(p) for p in prompts)
+        self._input = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        self._attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # left padding: every row continues from the right edge
+            self._input[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            self._attention[i, width - len(prompt) :] = 1
+        self._input, self._attention = self._input.to(device), self._attention.to(device)
+        self._positions = (self._attention.cumsum(-1) - 1).clamp(min=0)
+        self._active = list(range(len(prompts)))  # job rows still decoding, in KV-cache batch order
+        self._cache: DynamicCache | None = None
+        self._warpers = []
+        if sampling.temperature > 0:
+            if sampling.top_k and sampling.top_k > 0:
+                self._warpers.append(TopKLogitsWarper(sampling.top_k))
+            if sampling.top_p < 1.0:
+                self._warpers.append(TopPLogitsWarper(sampling.top_p))
+        if sampling.max_tokens <= 0:
+            for row in self.rows:
+                row.stop_reason = "length"
+            self._active = []
+
+    @property
+    def done(self) -> bool:
+        return not self._active
+
+    def advance(self, model) -> None:
+        """One decoding step for every active row (call under torch.no_grad with the policy active)."""
+        if self.done:
+            return
+        if self._cache is None:
+            self._cache = DynamicCache()
+        out = model(
+            input_ids=self._input,
+            attention_mask=self._attention,
+            position_ids=self._positions,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._cache = out.past_key_values
+        self._draw(out.logits[:, -1, :].float())
+
+    def _draw(self, logits: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(logits, dim=-1)  # of the untempered distribution: what training recomputes
+        if self.sampling.temperature > 0:
+            scores = logits / self.sampling.temperature
+            for warper in self._warpers:
+                scores = warper(None, scores)
+            probs = torch.softmax(scores, dim=-1)
+            picks = [
+                int(torch.multinomial(probs[b], 1, generator=self.rows[r].generator)) for b, r in enumerate(self._active)
+            ]
+        else:
+            picks = logits.argmax(dim=-1).tolist()
+        keep: list[int] = []
+        for b, r in enumerate(self._active):
+            row, token = self.rows[r], picks[b]
+            row.tokens.append(token)
+            row.logprobs.append(float(logprobs[b, token]))
+            if token in self.stop_ids:
+                row.stop_reason = "stop"
+            elif len(row.tokens) >= self.sampling.max_tokens:
+                row.stop_reason = "length"
+            else:
+                keep.append(b)
+        if len(keep) < len(self._active):  # finished rows leave the batch: nothing is decoded (or padded) after them
+            if keep:
+                self._cache.batch_select_indices(torch.tensor(keep, device=self.device))
+            self._active = [self._active[b] for b in keep]
+            self._attention = self._attention[keep]
+            self._positions = self._positions[keep]
+            picks = [picks[b] for b in keep]
+        if not keep:
+            self._cache = None  # free the KV cache now, not when the job is dropped
+            return
+        self._input = torch.tensor(picks, dtype=torch.long, device=self.device)[:, None]
+        self._attention = torch.cat([self._attention, self._attention.new_ones((len(keep), 1))], dim=1)
+        self._positions = self._positions[:, -1:] + 1
+
+    def results(self) -> list[Generation]:
+        return [Generation(r.tokens, r.logprobs, r.stop_reason or "length") for r in self.rows]
+
+
 class TransformersEngine:
-    """Batched sampling with `model.generate`; the active LoRA adapter is the policy."""
+    """Sampling with a resumable decode loop; the active LoRA adapter is the policy."""
 
     name = "transformers"
 
@@ -47,67 +187,60 @@ class TransformersEngine:
         eos_token_ids: list[int],
         activate_policy: Callable[[str | None], object],
         max_batch_size: int = 64,
+        max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.activate_policy = activate_policy  # returns a context manager
         self.max_batch_size = max_batch_size
+        self.max_batch_positions = max_batch_positions
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def stop_ids(self, sampling: SamplingParams) -> list[int]:
+        """None: the model's end-of-turn tokens; a list (even empty) is taken as given."""
+        return list(self.eos_token_ids) if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
+
+    def start(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, seed: int, first_index: int = 0
+    ) -> GenerationJob:
+        """A job for `prompts`, whose rows are rows first_index.. of a request seeded with `seed`."""
+        return GenerationJob(prompts, sampling, stop_ids=self.stop_ids(sampling), seed=seed,
+                             first_index=first_index, pad_id=self.pad_id, device=self.device)
+
+    def batches(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[int, int]]:
+        """(start, end) of consecutive batches within max_batch_size rows and max_batch_positions KV positions."""
+        spans, start = [], 0
+        while start < len(prompts):
+            end, width = start, 0
+            while end < len(prompts) and end - start < self.max_batch_size:
+                width_then = max(width, len(prompts[end]) + max(max_tokens, 0))
+                if end > start and (end - start + 1) * width_then > self.max_batch_positions:
+                    break
+                width, end = width_then, end + 1
+            spans.append((start, end))
+            start = end
+        return spans
+
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int
     ) -> list[Generation]:
         results: list[Generation] = []
-        # One seed per request keeps sampling reproducible no matter what ran before;
-        # fork_rng leaves the process's global RNG untouched.
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), self.activate_policy(policy):
-            torch.manual_seed(seed)
-            for start in range(0, len(prompts), self.max_batch_size):
-                results.extend(self._generate_batch(prompts[start : start + self.max_batch_size], sampling))
+        for start, end in self.batches(prompts, sampling.max_tokens):
+            job = self.start(prompts[start:end], sampling, seed=seed, first_index=start)
+            while not job.done:
+                # One slice: steps until the job ends or the host wants the model for someone else.
+                # The adapter is activated per slice, since other calls may switch it in between.
+                with torch.no_grad(), self.activate_policy(policy):
+                    while not job.done:
+                        job.advance(self.model)
+                        if slice_due():
+                            break
+                if not job.done:
+                    yield_slice()
+            results.extend(job.results())
         return results
-
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Generation]:
-        if sampling.max_tokens <= 0:
-            return [Generation([], [], "length") for _ in prompts]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding: generation continues from the right edge
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention[row, width - len(prompt) :] = 1
-        stop_ids = self.eos_token_ids if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
-        # One complete generation config (the model's, overridden): transformers warns when a config
-        # and loose arguments are mixed, and "no stop tokens" needs eos_token_id=None in the config itself.
-        config = copy.deepcopy(self.model.generation_config)
-        settings: dict = dict(
-            max_new_tokens=sampling.max_tokens,
-            eos_token_id=stop_ids or None,  # None: only max_new_tokens ends generation
-            pad_token_id=self.pad_id,
-            do_sample=sampling.temperature > 0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        if sampling.temperature > 0:
-            settings.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
-        config.update(**settings)
-        out = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=config
-        )
-        new_tokens = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()
-        logprobs = torch.gather(logits, 2, new_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-        eos = set(stop_ids)
-        generations = []
-        for row in range(len(prompts)):
-            tokens = new_tokens[row].tolist()
-            stop = next((i for i, t in enumerate(tokens) if t in eos), None)
-            end = stop + 1 if stop is not None else len(tokens)
-            generations.append(
-                Generation(tokens[:end], logprobs[row, :end].tolist(), "stop" if stop is not None else "length")
-            )
-        return generations

@@ -89,6 +89,7 @@ class _Policy:
 
 class Worker:
     METHODS = ("info", *_REQUEST_TYPES)
+    MODEL_FREE_METHODS = ("info",)  # read no model state: a server answers them without queueing
 
     def __init__(
         self,
@@ -182,7 +183,8 @@ class Worker:
             "device": self.device,
             "device_name": self.device_name,
             "engine": self.engine.name,
-            "policies": {name: p.version for name, p in self.policies.items()},
+            # A copy first: a server answers info while another thread may be creating a policy.
+            "policies": {name: p.version for name, p in self.policies.copy().items()},
         }
 
     def create_policy(self, request: CreatePolicyRequest) -> dict:

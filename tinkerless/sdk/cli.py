@@ -12,6 +12,7 @@ command-line flags override its fields.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import math
 import os
@@ -120,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--storage", default=".", help="where API keys, the runs driven through this server and Tinker checkpoints live (a directory or fsspec URL; default: %(default)s)")
     serve.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024, help="larger requests get HTTP 413 (default: %(default)s)")
     serve.add_argument("--max-pending", type=int, default=1024, help="queued calls before HTTP 429 (default: %(default)s)")
+    _serving_limit_flags(serve)
     serve.add_argument("--no-auth", action="store_true", help="accept calls without an API key (trusted networks only)")
     serve.add_argument(
         "--api-key-env",
@@ -211,11 +213,37 @@ def _train(args) -> int:
     return 0
 
 
+def _serving_limit_flags(serve) -> None:
+    """`tinkerless serve` flags for per-request limits and tenant quotas (docs/serving-limits.md)."""
+    try:
+        from tinkerless.server.limits import ServingLimits
+    except ImportError:  # no serve extra: `tinkerless serve` says so when run
+        return
+    defaults = ServingLimits()
+    helps = {
+        "max_tokens": "tokens one sample (or one episode turn) may generate",
+        "max_samples": "sequences one sample request may ask for (prompts x num_samples)",
+        "max_prompt_tokens": "tokens of one prompt",
+        "max_group_size": "a rollout request's group_size",
+        "max_rollouts": "episodes one rollout request may run (tasks x group_size)",
+    }
+    for name, text in helps.items():
+        serve.add_argument(ServingLimits.flag(name), type=int, default=getattr(defaults, name),
+                           help=f"{text}; more is HTTP 400 (default: {getattr(defaults, name)})")
+    serve.add_argument("--max-pending-per-tenant", type=int, default=256,
+                       help="one tenant's queued or running calls before HTTP 429 (default: 256)")
+    serve.add_argument("--slice-seconds", type=float, default=0.05,
+                       help="how long a generation runs before yielding to other tenants' calls (default: 0.05)")
+
+
 def _serve(args) -> int:
     try:
         from tinkerless.server import serve
+        from tinkerless.server.limits import ServingLimits
     except ImportError as exc:
         raise ConfigError(f"`tinkerless serve` needs fastapi and uvicorn ({exc})", hint="pip install 'tinkerless[serve]'") from exc
+    if not (math.isfinite(args.slice_seconds) and args.slice_seconds >= 0):
+        raise ConfigError(f"--slice-seconds {args.slice_seconds} is not a duration", hint="pass 0 or more seconds, e.g. 0.05")
     extra_keys = None
     if args.api_key_env:
         key = os.environ.get(args.api_key_env, "")
@@ -228,6 +256,8 @@ def _serve(args) -> int:
     serve(
         args.host, args.port, model=args.model, storage=args.storage, auth=not args.no_auth, extra_keys=extra_keys,
         max_request_bytes=args.max_request_bytes, max_pending=args.max_pending,
+        max_pending_per_tenant=args.max_pending_per_tenant, slice_seconds=args.slice_seconds,
+        limits=ServingLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServingLimits)}),
     )
     return 0
 

@@ -12,7 +12,10 @@
 Error bodies are still msgpack envelopes so `tinkerless.sdk.backends.call` raises the
 same typed error over HTTP as in-process. One model lives in the process, so calls run
 one at a time on the `Scheduler`'s thread: in each client's sequence order
-(`X-Tinkerless-Stream` / `X-Tinkerless-Seq` headers), tenants taking turns.
+(`X-Tinkerless-Stream` / `X-Tinkerless-Seq` headers), tenants taking turns, long
+generations paused between slices so that other tenants' calls run (see `scheduler`).
+`info` reads no model and answers at once, without queueing. Requests that generate are
+checked against the server's `ServingLimits` first (docs/serving-limits.md).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from tinkerless.errors import ProtocolError, ServerBusy, TinkerlessError
 from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.keys import KeyStore
+from tinkerless.server.limits import LimitExceeded, ServingLimits
 from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import scope, tenant_prefix, unscope
@@ -44,6 +48,8 @@ from tinkerless.wire.validate import validate
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_PENDING_PER_TENANT = 256
+_GENERATING = ("sample", "rollout", "rollout_multi")  # the /v1/call methods checked against ServingLimits
 # Replies that carry an ErrorReply contain its type tag; only those are decoded to pick a status.
 _ERROR_TAG = f"{ErrorReply.__module__}:{ErrorReply.__qualname__}".encode()
 
@@ -63,6 +69,9 @@ def create_app(
     keys: KeyStore | None = None,
     storage: str | None = None,
     max_pending: int = 1024,
+    max_pending_per_tenant: int | None = DEFAULT_MAX_PENDING_PER_TENANT,
+    limits: ServingLimits | None = None,
+    slice_seconds: float = 0.05,
     tinker_api: bool = True,
 ) -> FastAPI:
     """A FastAPI app serving one worker (or the worker a zero-argument factory builds, built now).
@@ -71,7 +80,9 @@ def create_app(
     only `{"status": "ok"}` to callers without a key (enough for a readiness probe).
     `storage` (an fsspec URL, default: a temporary directory) holds the runs clients drive
     through this server (coordinator state and checkpoints) and Tinker checkpoints, all
-    tenant-prefixed. Past `max_pending` queued calls the server answers 429.
+    tenant-prefixed. Past `max_pending` queued calls in all, or `max_pending_per_tenant` unfinished
+    calls of one tenant, the server answers 429. `limits` (default: `ServingLimits()`) bound what one
+    request may generate; `slice_seconds` is how long a generation runs before yielding to others.
     """
     worker: Handler = (
         worker_factory_or_worker
@@ -81,7 +92,11 @@ def create_app(
     app = FastAPI(title="tinkerless", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     app.state.max_request_bytes = max_request_bytes
-    scheduler = Scheduler(max_pending=max_pending)
+    limits = limits or ServingLimits()
+    app.state.limits = limits
+    model_free = frozenset(getattr(worker, "MODEL_FREE_METHODS", ()))  # answered at once, off the scheduler
+    scheduler = Scheduler(max_pending=max_pending, max_pending_per_tenant=max_pending_per_tenant,
+                          slice_seconds=slice_seconds)
     app.state.scheduler = scheduler
     stats = ServerStats(scheduler)
     app.state.stats = stats
@@ -109,11 +124,18 @@ def create_app(
             return error_response(400, exc)
         try:
             body = await read_body(request, max_request_bytes)
+            if method in _GENERATING and hasattr(worker, "chat"):
+                await asyncio.to_thread(_check_limits, limits, worker, method, body)
             if tenant:  # multi-tenant: scope every policy name to the caller, once the request is known sound
                 decoded = decode_message(body)
                 if method in getattr(worker, "METHODS", ()) and method != "info":
                     validate(decoded)  # the worker validates again, token ids included, after scoping
                 body = encode_message(scope(decoded, tenant_prefix(tenant)))
+        except LimitExceeded as exc:
+            if stream is not None:
+                scheduler.skip(tenant, stream, seq)
+            stats.count(label, 400)
+            return error_response(400, exc)
         except (RequestTooLarge, ProtocolError) as exc:
             if stream is not None:
                 scheduler.skip(tenant, stream, seq)  # refused before running: later calls must not wait for it
@@ -133,6 +155,11 @@ def create_app(
             started = time.perf_counter()
             return worker.handle(method, body), time.perf_counter() - started
 
+        if method in model_free:  # reads no model: never waits behind the queue
+            if stream is not None:
+                scheduler.skip(tenant, stream, seq)
+            return _reply(label, tenant, *run())
+
         try:
             future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq)
         except QueueFull as full:
@@ -148,6 +175,9 @@ def create_app(
         except TinkerlessError as exc:  # refused by the scheduler (a reused sequence number)
             stats.count(label, status_of(exc))
             return error_response(status_of(exc), exc)
+        return _reply(label, tenant, reply, compute_seconds)
+
+    def _reply(label: str, tenant: str, reply: bytes, compute_seconds: float) -> Response:
         if tenant:
             reply = encode_message(unscope(decode_message(reply), tenant_prefix(tenant)))
         status = _status_for(reply)
@@ -169,8 +199,8 @@ def create_app(
         from tinkerless.server import tinker_api as tinker
 
         aliases = {resolve_model(worker.model_name)}
-        app.state.tinker = tinker.mount(app, worker, scheduler, store, tenant_of,
-                                        max_request_bytes=max_request_bytes, aliases=aliases, stats=stats)
+        app.state.tinker = tinker.mount(app, worker, scheduler, store, tenant_of, max_request_bytes=max_request_bytes,
+                                        aliases=aliases, stats=stats, limits=limits)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
@@ -254,6 +284,15 @@ def _gpu_lines() -> list[str]:
     return lines
 
 
+def _check_limits(limits: ServingLimits, worker, method: str, body: bytes) -> None:
+    """Refuse a generating call over the server's limits (string prompts counted as the worker templates them)."""
+    try:
+        request = decode_message(body)
+    except Exception:  # noqa: BLE001
+        return  # the worker answers malformed bodies with their own typed error
+    limits.check_call(method, request, lambda text: len(worker.chat.prompt_tokens([{"role": "user", "content": text}])))
+
+
 def _status_for(reply: bytes) -> int:
     if _ERROR_TAG not in reply:
         return 200
@@ -276,6 +315,9 @@ def serve(
     extra_keys: dict[str, str] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_pending: int = 1024,
+    max_pending_per_tenant: int | None = DEFAULT_MAX_PENDING_PER_TENANT,
+    limits: ServingLimits | None = None,
+    slice_seconds: float = 0.05,
     log_level: str = "info",
     **worker_options: Any,
 ) -> None:
@@ -293,6 +335,9 @@ def serve(
         Worker(model, **worker_options),
         max_request_bytes=max_request_bytes,
         max_pending=max_pending,
+        max_pending_per_tenant=max_pending_per_tenant,
+        limits=limits,
+        slice_seconds=slice_seconds,
         keys=keys,
         storage=storage or ".",
     )

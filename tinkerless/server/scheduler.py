@@ -1,7 +1,8 @@
-"""The server's work queue: one device, many tenants, per-stream order.
+"""The server's work queue: one device, many tenants, per-stream order, time slices.
 
-Every call that touches the model becomes a `Job` run by a single executor
-thread (one model in memory, so one call at a time). Three rules pick the next job:
+Every call that touches the model becomes a `Job`. One model lives in memory, so one
+job runs at a time; each runs on its own thread, and the scheduler hands the model from
+one to the next. Four rules pick who runs:
 
 * **Order within a stream.** A stream is one client's sequence of calls to one
   model (a Tinker `TrainingClient`, or one `HTTPBackend`). Jobs carry the client's
@@ -9,8 +10,16 @@ thread (one model in memory, so one call at a time). Three rules pick the next j
   a job whose predecessor has not arrived yet waits for it. Clients number from 1.
 * **Fairness between tenants.** Among runnable jobs, tenants take turns
   (round-robin), so one tenant's long queue cannot starve another's.
-* **Back-pressure.** Past `max_pending` queued jobs, `submit` raises `QueueFull`
-  (HTTP 429 with Retry-After) instead of queueing without bound.
+* **Time slices.** A long job (generation) reaches a safe point after every decode step
+  (`tinkerless.functions.slicing`). Once it has run `slice_seconds` while another tenant
+  has work ready, it pauses there, goes back to the front of its tenant's queue (so the
+  tenant's own later calls still run after it) and its tenant to the back of the turns.
+  So another tenant's small call waits for at most about one slice, not for a whole
+  maximal request. A paused job keeps its state (KV cache, random generators) and
+  resumes where it stopped, with the same result it would have had unpaused.
+* **Back-pressure.** Past `max_pending` queued jobs in all, or `max_pending_per_tenant`
+  unfinished jobs of one tenant, `submit` raises `QueueFull` (HTTP 429 with Retry-After)
+  instead of queueing without bound.
 
 A client may reserve a sequence number and never send it (it failed before
 sending). After `gap_timeout` seconds a stream stuck on such a gap skips ahead,
@@ -28,13 +37,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tinkerless.errors import SequenceReused
+from tinkerless.functions.slicing import slice_host
 
 logger = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
-    def __init__(self, pending: int, retry_after: float):
-        super().__init__(f"the server's queue is full ({pending} calls waiting)")
+    def __init__(self, pending: int, retry_after: float, *, tenant_quota: int | None = None):
+        if tenant_quota is None:
+            message = f"the server's queue is full ({pending} calls waiting)"
+        else:
+            message = (f"this tenant already has {pending} calls queued or running, its quota "
+                       f"(max_pending_per_tenant={tenant_quota})")
+        super().__init__(message)
         self.pending = pending
         self.retry_after = retry_after
 
@@ -46,6 +61,13 @@ class Job:
     seq: int | None
     fn: Callable[[], Any]
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    counted: bool = True  # counts against its tenant's quota (skip placeholders do not)
+    thread: threading.Thread | None = None  # set once started
+    turn: threading.Event = field(default_factory=threading.Event)  # set: the job may run
+    handback: threading.Event = field(default_factory=threading.Event)  # set: the job paused or finished
+    finished: bool = False
+    started: float = 0.0
+    slice_started: float = 0.0
 
 
 @dataclass
@@ -55,18 +77,48 @@ class _Stream:
     stalled_since: float | None = None
 
 
-class Scheduler:
-    """Runs submitted jobs on one thread: per-stream sequence order, round-robin across tenants."""
+class _Host:
+    """What a running job's `slice_due` / `yield_slice` talk to (see `tinkerless.functions.slicing`)."""
 
-    def __init__(self, *, max_pending: int = 1024, gap_timeout: float = 30.0):
+    def __init__(self, scheduler: Scheduler, job: Job):
+        self.scheduler, self.job = scheduler, job
+
+    def due(self) -> bool:
+        if time.monotonic() - self.job.slice_started < self.scheduler.slice_seconds:
+            return False
+        return self.scheduler._others_waiting(self.job.tenant)
+
+    def pause(self) -> None:
+        job = self.job
+        job.turn.clear()
+        job.handback.set()  # the scheduler thread takes the model back...
+        job.turn.wait()  # ...and hands it over again on this job's next turn
+        job.slice_started = time.monotonic()
+
+
+class Scheduler:
+    """Runs submitted jobs one at a time: per-stream sequence order, round-robin tenants, time slices."""
+
+    def __init__(
+        self,
+        *,
+        max_pending: int = 1024,
+        max_pending_per_tenant: int | None = None,
+        gap_timeout: float = 30.0,
+        slice_seconds: float = 0.05,
+    ):
         self.max_pending = max_pending
+        self.max_pending_per_tenant = max_pending_per_tenant
         self.gap_timeout = gap_timeout
+        self.slice_seconds = slice_seconds
         self._cond = threading.Condition()
         self._ready: dict[str, deque[Job]] = {}  # tenant -> runnable jobs in arrival order
         self._turns: deque[str] = deque()  # tenants with runnable jobs, in round-robin order
         self._streams: dict[tuple[str, str], _Stream] = {}
-        self._pending = 0
-        self.in_flight = 0
+        self._pending = 0  # jobs not yet started
+        self._unfinished: dict[str, int] = {}  # tenant -> its jobs queued, running or paused
+        self.in_flight = 0  # jobs started and not finished (one running, others paused)
+        self.slices = 0  # times a job paused for another tenant's
         self._avg_seconds = 0.1  # moving average of job time, for Retry-After
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="tinkerless-scheduler", daemon=True)
@@ -83,16 +135,20 @@ class Scheduler:
                 raise RuntimeError("the scheduler is closed")
             if self._pending >= self.max_pending:
                 raise QueueFull(self._pending, retry_after=self._retry_after())
+            mine = self._unfinished.get(tenant, 0)
+            if self.max_pending_per_tenant is not None and mine >= self.max_pending_per_tenant:
+                raise QueueFull(mine, retry_after=self._retry_after(mine), tenant_quota=self.max_pending_per_tenant)
             job = Job(tenant, stream, seq, fn)
+            if stream is not None and seq is not None:
+                state = self._streams.setdefault((tenant, stream), _Stream())
+                if seq < state.next_seq or seq in state.waiting:
+                    job.future.set_exception(SequenceReused(seq, state.next_seq))
+                    return job.future
             self._pending += 1
+            self._unfinished[tenant] = mine + 1
             if stream is None or seq is None:
                 self._make_ready(job)
             else:
-                state = self._streams.setdefault((tenant, stream), _Stream())
-                if seq < state.next_seq or seq in state.waiting:
-                    self._pending -= 1
-                    job.future.set_exception(SequenceReused(seq, state.next_seq))
-                    return job.future
                 state.waiting[seq] = job
                 self._release(state)
             self._cond.notify_all()
@@ -104,7 +160,7 @@ class Scheduler:
             state = self._streams.setdefault((tenant, stream), _Stream())
             if seq < state.next_seq or seq in state.waiting:
                 return
-            state.waiting[seq] = Job(tenant, stream, seq, lambda: None)
+            state.waiting[seq] = Job(tenant, stream, seq, lambda: None, counted=False)
             self._pending += 1
             self._release(state)
             self._cond.notify_all()
@@ -122,11 +178,16 @@ class Scheduler:
             self._cond.notify_all()
         self._thread.join(timeout)
 
-    # -- internals (called with the lock held) --------------------------------------
+    # -- internals (called with the lock held unless said otherwise) ------------------
 
-    def _retry_after(self) -> float:
-        # About the time a few queued jobs take to finish, so a retry finds room; 1-30 s.
-        return max(1.0, min(30.0, 8 * self._avg_seconds))
+    def _retry_after(self, ahead: int = 8) -> float:
+        # About the time the calls ahead take to finish, so a retry finds room; 1-30 s.
+        return max(1.0, min(30.0, max(ahead, 1) * self._avg_seconds))
+
+    def _others_waiting(self, tenant: str) -> bool:
+        """Whether a tenant other than `tenant` has a job ready to run (takes the lock)."""
+        with self._cond:
+            return any(t != tenant and self._ready.get(t) for t in self._turns)
 
     def _make_ready(self, job: Job) -> None:
         queue = self._ready.setdefault(job.tenant, deque())
@@ -137,8 +198,8 @@ class Scheduler:
     def _release(self, state: _Stream) -> None:
         """Move the stream's consecutive arrived jobs to the ready queue.
 
-        The tenant's ready queue is first-in first-out and one thread runs jobs, so
-        releasing seq n+1 right behind seq n still runs them in order.
+        The tenant's ready queue is first-in first-out, and a paused job goes back to its
+        front, so releasing seq n+1 right behind seq n still runs them in order.
         """
         while state.next_seq in state.waiting:
             self._make_ready(state.waiting.pop(state.next_seq))
@@ -183,19 +244,49 @@ class Scheduler:
                     self._cond.wait(timeout=1.0)
                     self._skip_stalled_gaps()
                     job = self._next_job()
-                self._pending -= 1
-                self.in_flight += 1
-            started = time.perf_counter()
-            try:
-                if job.future.set_running_or_notify_cancel():
+                if job.thread is None:
+                    self._pending -= 1
+                    self.in_flight += 1
+            self._give_turn(job)
+            job.handback.wait()  # the job paused at a slice boundary or finished
+            job.handback.clear()
+            with self._cond:
+                if job.finished:
+                    self.in_flight -= 1
+                    self._avg_seconds = 0.9 * self._avg_seconds + 0.1 * (time.monotonic() - job.started)
+                    if job.counted:
+                        self._unfinished[job.tenant] -= 1
+                        if not self._unfinished[job.tenant]:
+                            del self._unfinished[job.tenant]
+                else:  # paused: first in its tenant's line again, its tenant last in the turns
+                    self.slices += 1
+                    queue = self._ready.setdefault(job.tenant, deque())
+                    queue.appendleft(job)
+                    if job.tenant not in self._turns:
+                        self._turns.append(job.tenant)
+                self._cond.notify_all()
+
+    def _give_turn(self, job: Job) -> None:
+        """Start `job` on its own thread, or resume it where it paused (no lock held)."""
+        job.slice_started = time.monotonic()
+        if job.thread is not None:
+            job.turn.set()
+            return
+        job.started = job.slice_started
+        job.thread = threading.Thread(target=self._run, args=(job,), name=f"tinkerless-job-{job.tenant}", daemon=True)
+        job.thread.start()
+
+    def _run(self, job: Job) -> None:
+        """A job's thread: runs its function, pausing at safe points when other tenants wait."""
+        try:
+            if job.future.set_running_or_notify_cancel():
+                with slice_host(_Host(self, job)):
                     try:
                         result = job.fn()
                     except BaseException as exc:  # noqa: BLE001 - delivered to the waiting caller
                         job.future.set_exception(exc)
                     else:
                         job.future.set_result(result)
-            finally:
-                with self._cond:
-                    self._avg_seconds = 0.9 * self._avg_seconds + 0.1 * (time.perf_counter() - started)
-                    self.in_flight -= 1
-                    self._cond.notify_all()
+        finally:
+            job.finished = True
+            job.handback.set()

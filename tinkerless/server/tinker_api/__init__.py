@@ -12,11 +12,12 @@ from tinkerless.server.tinker_api.service import TinkerService
 
 
 def mount(
-    app, worker, scheduler, store, tenant_of, *, max_request_bytes: int, aliases: set[str] | None = None, stats=None
+    app, worker, scheduler, store, tenant_of, *, max_request_bytes: int, aliases: set[str] | None = None, stats=None,
+    limits=None,
 ) -> TinkerService:
     from tinkerless.server.tinker_api.routes import make_router
 
-    service = TinkerService(worker, scheduler, CheckpointRegistry(store), aliases=aliases or set())
+    service = TinkerService(worker, scheduler, CheckpointRegistry(store), aliases=aliases or set(), limits=limits)
     app.include_router(make_router(service, tenant_of, max_request_bytes, stats))
     return service
 

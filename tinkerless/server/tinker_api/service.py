@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tinkerless.errors import UserError
+from tinkerless.server.limits import ServingLimits
 from tinkerless.server.scheduler import Scheduler
 from tinkerless.server.tenancy import tenant_prefix
 from tinkerless.server.tinker_api import convert
@@ -96,18 +97,23 @@ class Sampler:
 
 
 class TinkerService:
-    def __init__(self, worker, scheduler: Scheduler, registry: CheckpointRegistry, *, aliases: set[str]):
+    def __init__(
+        self, worker, scheduler: Scheduler, registry: CheckpointRegistry, *, aliases: set[str],
+        limits: ServingLimits | None = None,
+    ):
         self.worker = worker
         self.scheduler = scheduler
         self.registry = registry
         self.base_model = worker.model_name
         self.aliases = aliases | {worker.model_name}
+        self.limits = limits or ServingLimits()
         self._lock = threading.Lock()
         self.sessions: dict[str, dict] = {}
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
         self._ephemeral: dict[str, list[str]] = {}  # model id -> its ephemeral sampler ids, oldest first
         self._slots: OrderedDict[str, str] = OrderedDict()  # snapshot key -> worker policy, LRU order
+        self._slots_in_use: dict[str, int] = {}  # slot -> samples using it (paused between slices, too)
         self.futures: dict[str, tuple[str, concurrent.futures.Future, float]] = {}
         self._ids = itertools.count(1)
         self._sequence_ids = itertools.count()
@@ -375,6 +381,7 @@ class TinkerService:
             raise UserError(f"num_samples={num_samples} is out of range (1-1024)")
         params = convert.options(body, "sampling_params")
         sampling, stop_strings = convert.sampling_params(params, self.worker)
+        self.limits.check_sample(samples=num_samples, max_tokens=sampling.max_tokens, prompt_tokens=len(prompt))
         seed = params.get("seed")
         seed = int(seed) if seed is not None else secrets.randbelow(2**31)
         validate(SampleRequest("base", [prompt], num_samples, sampling, seed), vocab_size=self.worker.vocab_size)
@@ -383,7 +390,15 @@ class TinkerService:
 
         def run() -> Proto:
             policy = self._sampling_policy(sampler)
-            generations = self.worker.engine.generate([prompt] * num_samples, sampling, policy=policy, seed=seed)
+            # Pinned while it samples: the generation may pause between slices while other tenants'
+            # samplers load snapshots, and must find its own adapter still there when it resumes.
+            self._slots_in_use[policy] = self._slots_in_use.get(policy, 0) + 1
+            try:
+                generations = self.worker.engine.generate([prompt] * num_samples, sampling, policy=policy, seed=seed)
+            finally:
+                self._slots_in_use[policy] -= 1
+                if not self._slots_in_use[policy]:
+                    del self._slots_in_use[policy]
             sequences = [convert.apply_stop_strings(g, stop_strings, self.worker.tokenizer) for g in generations]
             prompt_logprobs = None
             if want_prompt_logprobs:
@@ -417,9 +432,9 @@ class TinkerService:
         files = {k: v for k, v in state.files.items() if k in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")}
         self.worker.load_state(LoadStateRequest(PolicyState(slot, files, state.policy_version), include_optimizer=False))
         self._slots[key] = slot
-        while len(self._slots) > MAX_SNAPSHOT_SLOTS:
-            _, old = self._slots.popitem(last=False)
-            self.worker.delete_policy(old)
+        evictable = [k for k, s in self._slots.items() if s not in self._slots_in_use and k != key]
+        for old_key in evictable[: max(0, len(self._slots) - MAX_SNAPSHOT_SLOTS)]:  # least recently used first
+            self.worker.delete_policy(self._slots.pop(old_key))
         return slot
 
     # -- runs and checkpoints ------------------------------------------------------------------
