@@ -6,6 +6,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The sandbox for model-written tool code and tenants' code (docs/sandbox.md) needs bubblewrap and
+# libseccomp's Python bindings. Without them python_tool refuses to run rather than run code unconfined.
+SANDBOX_PACKAGES="bubblewrap python3-seccomp libseccomp-dev"
+missing=""
+for package in $SANDBOX_PACKAGES; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing="$missing $package"
+done
+if [ -n "$missing" ]; then
+  if ! command -v apt-get >/dev/null; then
+    echo "error: the sandbox needs:$missing, and apt-get is not available here." >&2
+    echo "Install bubblewrap and libseccomp's Python bindings with your package manager" >&2
+    echo "(Fedora: dnf install bubblewrap python3-libseccomp), then run this script again. See docs/sandbox.md." >&2
+    exit 1
+  fi
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  echo "installing the sandbox's system packages:$missing"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
+fi
+
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv

@@ -1,51 +1,56 @@
-"""The Python sandbox stops what it must (and says why), runs what it should, and PythonToolEnv survives it.
+"""The Python sandbox runs what it should, stops what it must (and says which limit), and PythonToolEnv survives it.
 
-Every run is a real subprocess; limits are kept small so the whole file stays fast.
+Every run is a real bubblewrap sandbox (or, where a test says so, the opt-in process
+sandbox); limits are kept small so the whole file stays fast. Adversarial code is in
+tests/test_sandbox_attacks.py; this file covers behaviour and the tool's contract.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import resource
-import socket
+import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from tinkerless.envs import python_tool
+from tinkerless.envs import python_tool, sandbox
 from tinkerless.envs.python_tool import PythonToolEnv, last_integer, make_python_task, python
-from tinkerless.envs.sandbox import SandboxLimits, run_python
+from tinkerless.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python
+from tinkerless.envs.tools import ToolObservation
 from tinkerless.errors import ConfigError
 from tinkerless.wire import pack_code, unpack_code
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 FAST = SandboxLimits(cpu_seconds=1, wall_seconds=3)
 
 
-def live_processes_in_session(sid: int) -> list[str]:
-    """Processes (not zombies) whose session is `sid`: what a sandbox left running."""
+def all_rlimits() -> dict[str, tuple[int, int]]:
+    return {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")}
+
+
+def processes_named(name: str) -> list[str]:
+    """Host processes whose comm is `name`: sandboxed code marks its children so the host can look for them."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue  # exited while we looked
-        fields = stat[stat.rfind(")") + 2 :].split()
-        state, session = fields[0], int(fields[3])
-        if session == sid and state != "Z":
-            found.append(f"{entry} {stat[:80]}")
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/comm") as f:
+                    if f.read().strip() == name:
+                        found.append(entry)
+            except OSError:
+                continue
     return found
 
 
-def all_rlimits() -> dict[str, tuple[int, int]]:
-    return {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")}
+def host_temp_entries() -> set[str]:
+    return {e for e in os.listdir(tempfile.gettempdir()) if e.startswith("tinkerless-sandbox")}
 
 
 # ---------------------------------------------------------------------------
@@ -53,6 +58,7 @@ def all_rlimits() -> dict[str, tuple[int, int]]:
 
 
 def test_normal_code_prints_and_uses_its_own_directory():
+    before = host_temp_entries()
     result = run_python(
         "import os\n"
         "with open('notes.txt', 'w') as f:\n"
@@ -61,71 +67,95 @@ def test_normal_code_prints_and_uses_its_own_directory():
         "with open('sub/data.txt', 'w') as f:\n"
         "    f.write('inner')\n"
         "print(open('notes.txt').read(), open('sub/data.txt').read(), sorted(os.listdir('.')))\n"
-        "print(os.getcwd())\n"
+        "print(os.getcwd(), os.environ['HOME'])\n"
     )
-    assert result.ok and result.reason == "ok" and result.exit_code == 0, result
-    first, cwd = result.stdout.splitlines()
-    assert first == "kept inner ['notes.txt', 'sub']"
-    assert not os.path.exists(cwd), "the working directory is removed after the run"
-    assert result.seconds < 3
+    assert result.ok and result.reason == "ok" and result.exit_code == 0 and result.sandbox == "bwrap", result
+    assert result.stdout.splitlines() == ["kept inner ['notes.txt', 'sub']", "/tmp /tmp"]
+    assert host_temp_entries() == before, "the work dir is a tmpfs inside the sandbox, nothing on the host"
 
 
 def test_each_run_gets_a_fresh_directory():
-    first = run_python("open('left.txt', 'w').write('x'); import os; print(os.getcwd())")
-    second = run_python("import os; print(os.listdir('.'), os.getcwd())")
-    assert second.ok and second.stdout.startswith("[]")
-    assert first.stdout.strip() not in second.stdout
+    run_python("open('left.txt', 'w').write('x')")
+    second = run_python("import os; print(os.listdir('.'))")
+    assert second.ok and second.stdout == "[]\n"
+
+
+def test_the_sandbox_is_an_unprivileged_uid_in_its_own_namespaces():
+    code = (
+        "import os, socket\n"
+        "status = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+        "print(os.getuid(), os.getgid(), os.getgroups(), os.getpid())\n"
+        "print(status['CapEff'].strip(), status['CapPrm'].strip(), status['NoNewPrivs'].strip(), status['Seccomp'].strip())\n"
+        "print(sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
+        "print(socket.gethostname(), sorted(os.listdir('/')))\n"
+    )
+    result = run_python(code, audit_hook=False)
+    assert result.ok, result
+    ids, caps, pids, host = result.stdout.splitlines()
+    uid, gid, groups, pid = ids.split(" ", 3)[0], ids.split(" ", 3)[1], ids.split(" ", 3)[2], ids.rsplit(" ", 1)[1]
+    assert uid != "0" and gid != "0" and groups == "[]"
+    assert pid == "2"  # bwrap's init is PID 1 of a PID namespace of its own
+    assert caps == "0000000000000000 0000000000000000 1 2"  # no capabilities, no_new_privs, seccomp filter mode
+    assert pids == "['1', '2']", "no host process is visible"
+    assert host.startswith("sandbox ") and "'home'" not in host and "'work'" not in host
+
+
+def test_the_root_holds_the_standard_library_but_no_site_packages_or_home():
+    code = (
+        "import json, sqlite3, ssl, decimal, zoneinfo\n"
+        "import importlib.util, os, sys\n"
+        "print(importlib.util.find_spec('torch'), importlib.util.find_spec('tinkerless'), importlib.util.find_spec('pytest'))\n"
+        "print([p for p in sys.path if 'site-packages' in p or 'dist-packages' in p])\n"
+        "print(os.path.exists(os.path.expanduser('~/.ssh')), os.path.exists('/home'), os.path.exists('/etc/passwd'))\n"
+        "print(zoneinfo.ZoneInfo('Europe/Paris').key)\n"
+    )
+    result = run_python(code, audit_hook=False)
+    assert result.ok, result
+    assert result.stdout.splitlines() == ["None None None", "[]", "False False False", "Europe/Paris"]
 
 
 def test_exception_reports_error_with_the_traceback():
-    result = run_python("def f():\n    return 1 / 0\nprint('before')\nf()\n")
+    result = run_python("def f():\n    return 1 / 0\nf()\n")
     assert not result.ok and result.reason == "error" and result.exit_code == 1
-    assert result.stdout == "before\n"
-    assert "Traceback" in result.stderr and "ZeroDivisionError" in result.stderr
-    assert 'File "main.py", line 2, in f' in result.stderr and "return 1 / 0" in result.stderr
-    assert "<string>" not in result.stderr, "the bootstrap's frames are hidden"
+    assert "ZeroDivisionError: division by zero" in result.stderr
+    assert 'File "main.py", line 2, in f' in result.stderr and "<string>" not in result.stderr
 
 
 def test_syntax_error_and_exit_codes():
-    assert run_python("def (").reason == "error"
-    exited = run_python("import sys; print('bye'); sys.exit(3)")
-    assert exited.reason == "error" and exited.exit_code == 3 and exited.stdout == "bye\n"
+    assert run_python("def (:\n").reason == "error"
+    assert run_python("import sys\nsys.exit(3)").exit_code == 3
+    assert run_python("import sys\nsys.exit(0)").ok
 
 
 def test_stdin_is_passed():
-    result = run_python("print(input()[::-1]); print(input())", stdin="hello\nworld\n")
-    assert result.ok and result.stdout == "olleh\nworld\n"
+    result = run_python("import sys\nprint(sys.stdin.read().upper())", stdin="hello")
+    assert result.stdout == "HELLO\n"
 
 
 def test_standard_library_works():
-    result = run_python(
-        "import json, re, math, fractions, itertools, collections, dataclasses, pickle, tempfile, asyncio\n"
-        "@dataclasses.dataclass\nclass A:\n    x: int\n"
-        "assert pickle.loads(pickle.dumps(A(1))) == A(1)\n"
-        "fd, path = tempfile.mkstemp(); os = __import__('os'); os.write(fd, b'x'); os.close(fd)\n"
-        "asyncio.run(asyncio.sleep(0))\n"
-        "print(math.comb(10, 3), json.dumps({'a': 1}))\n"
+    code = (
+        "import collections, itertools, fractions, math, re, json, heapq, bisect, statistics\n"
+        "print(math.comb(10, 3), fractions.Fraction(1, 3) * 3, statistics.mean([1, 2, 3]))\n"
     )
-    assert result.ok, result.stderr
-    assert result.stdout == '120 {"a": 1}\n'
+    result = run_python(code)
+    assert result.ok and result.stdout == "120 1 2\n", result
 
 
 def test_output_is_truncated():
-    limits = SandboxLimits(max_output_bytes=1000)
-    result = run_python("print('x' * 100_000)\nimport sys; sys.stderr.write('e' * 50_000)", limits=limits)
+    result = run_python("print('x' * 100_000)", limits=SandboxLimits(max_output_bytes=1000))
     assert result.ok and result.truncated
-    assert result.stdout.startswith("x" * 1000) and "output truncated" in result.stdout
-    assert len(result.stdout) < 1100 and len(result.stderr) < 1100
+    assert result.stdout.startswith("x" * 1000) and "[output truncated" in result.stdout
 
 
 def test_endless_output_is_bounded():
-    result = run_python("while True:\n    print('y' * 1000)", limits=SandboxLimits(cpu_seconds=1, wall_seconds=3, max_output_bytes=2000))
+    started = time.monotonic()
+    result = run_python("while True:\n    print('spam' * 1000)\n", limits=SandboxLimits(cpu_seconds=1, wall_seconds=2, max_output_bytes=2048))
     assert result.reason in ("cpu_limit", "timeout") and result.truncated
-    assert len(result.stdout) < 2200
+    assert len(result.stdout) < 3000 and time.monotonic() - started < 4
 
 
 # ---------------------------------------------------------------------------
-# the cases from the issue: each stopped, with a clear reason, quickly
+# limits: each stops the run, and the result names it
 
 
 def test_infinite_loop_is_stopped():
@@ -147,38 +177,37 @@ def test_sleep_hits_the_wall_clock():
     assert result.reason == "timeout" and not result.ok
     assert result.exit_code == -9 and result.stdout == "start\n"
     assert time.monotonic() - started < 3
-    assert live_processes_in_session(result.pid) == []
 
 
-def test_fork_bomb_is_forbidden_and_leaves_no_process():
-    result = run_python("import os\nwhile True:\n    os.fork()\n", limits=FAST)
-    assert result.reason == "forbidden", result
-    assert "SandboxViolation: sandbox: os.fork is not allowed" in result.stderr
-    assert result.seconds < 2
-    assert live_processes_in_session(result.pid) == []
+def test_processes_are_limited_by_the_kernel_and_none_outlive_the_run():
+    marker = f"tl{random.randrange(10**10)}"
+    # Without the audit hook only RLIMIT_NPROC stands in the way of fork.
+    denied = run_python("import os\nos.fork()\n", limits=FAST, audit_hook=False)
+    assert denied.reason == "process_limit" and "BlockingIOError" in denied.stderr, denied
+    code = (
+        "import os, time\n"
+        "for _ in range(2):\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        f"        open('/proc/self/comm', 'w').write({marker!r})\n"
+        "        time.sleep(100)\n"
+        "time.sleep(0.3)\n"
+        "print('parent done')\n"
+    )
+    result = run_python(code, limits=SandboxLimits(max_processes=2, wall_seconds=5), audit_hook=False)
+    assert result.ok and result.stdout == "parent done\n", result
+    assert result.seconds < 2.5, "sleeping children must not hold the run open"
+    time.sleep(0.2)
+    assert processes_named(marker) == [], "the PID namespace dies with the run"
+    third = run_python("import os\nfor _ in range(3):\n    os.fork()\n", limits=SandboxLimits(max_processes=2), audit_hook=False)
+    assert third.reason == "process_limit", third
 
 
-def test_fork_bomb_that_swallows_the_error_is_still_stopped():
-    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except Exception:\n        pass\n"
-    result = run_python(code, limits=FAST)
-    assert result.reason == "forbidden" and "stopped after 16 forbidden operations" in result.stderr
-    assert result.seconds < 2
-
-
-def test_allowed_children_are_killed_with_the_group():
-    code = "import os, time\nif os.fork() == 0:\n    time.sleep(100)\nprint('parent done')\n"
-    result = run_python(code, limits=SandboxLimits(max_processes=1, wall_seconds=3))
-    assert result.ok and result.stdout == "parent done\n"
-    assert result.seconds < 2.5, "a sleeping child must not hold the run open"
-    time.sleep(0.1)
-    assert live_processes_in_session(result.pid) == []
-    too_many = run_python("import os\nos.fork()\nos.fork()\n", limits=SandboxLimits(max_processes=1))
-    assert too_many.reason == "forbidden" and "limit of 1 extra" in too_many.stderr
-
-
-def test_threads_are_forbidden_by_default():
-    result = run_python("import threading\nthreading.Thread(target=print).start()\n")
-    assert result.reason == "forbidden" and "threads are not allowed" in result.stderr
+def test_threads_are_processes_for_the_limit():
+    result = run_python("import _thread\n_thread.start_new_thread(print, ())\n", audit_hook=False)
+    assert result.reason == "process_limit", result
+    hooked = run_python("import threading\nthreading.Thread(target=print).start()\n")
+    assert hooked.reason == "forbidden" and "threads are not allowed" in hooked.stderr
 
 
 def test_huge_allocation_is_a_memory_limit():
@@ -188,100 +217,17 @@ def test_huge_allocation_is_a_memory_limit():
     assert slow.reason == "memory_limit", slow
 
 
-def test_network_access_is_forbidden_and_nothing_connects():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(8)
-        port = listener.getsockname()[1]
-        direct = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n", limits=FAST)
-        raw = run_python(
-            "import _socket\n"
-            "for attempt in range(3):\n"
-            "    try:\n"
-            f"        _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM).connect(('127.0.0.1', {port}))\n"
-            "    except PermissionError as exc:\n"
-            "        print('denied:', exc)\n",
-            limits=FAST,
-        )
-        listener.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            listener.accept()  # nobody ever connected
-    assert direct.reason == "forbidden" and "network access is not allowed" in direct.stderr
-    assert raw.ok and raw.stdout.count("denied: sandbox: network access is not allowed") == 3
-    lookup = run_python("import socket\nsocket.getaddrinfo('example.com', 80)\n")
-    assert lookup.reason == "forbidden"
+def test_file_size_and_disk_limits():
+    big_file = run_python("open('big.bin', 'wb').write(b'x' * 2**20 * 2)\n", limits=SandboxLimits(max_file_bytes=2**20))
+    assert big_file.reason == "file_limit", big_file
+    many_files = "for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * 2**19)\n"
+    full = run_python(many_files, limits=SandboxLimits(max_file_bytes=2**20, disk_bytes=4 * 2**20), audit_hook=False)
+    assert full.reason == "disk_limit" and "No space left" in full.stderr, full
 
 
-@pytest.mark.parametrize(
-    "code",
-    [
-        "open({target!r}, 'w').write('escaped')",
-        "open('../' * 40 + {target!r}.lstrip('/'), 'w').write('escaped')",
-        "import os\nos.makedirs('a/b')\nos.chdir('a/b')\nopen('../../../' * 20 + {target!r}.lstrip('/'), 'a')",
-        "import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('escaped')",
-        "import os\nos.symlink('../../' * 20 + {target!r}.lstrip('/'), 'link')",
-        "import os\nfd = os.open({target_dir!r}, os.O_RDONLY)\nos.open('escape.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
-        "import os\nos.open({target!r}, os.O_WRONLY | os.O_CREAT)",
-        "import os\nopen('inside.txt', 'w').write('escaped')\nos.rename('inside.txt', {target!r})",
-        "import os\nopen('inside.txt', 'w').write('escaped')\nos.link('inside.txt', {target!r})",
-        "import os\nos.mkdir({target!r})",
-        "import pathlib\npathlib.Path({target!r}).write_text('escaped')",
-        "import shutil\nopen('inside.txt', 'w').write('escaped')\nshutil.copy('inside.txt', {target!r})",
-        "import os\nos.mkfifo({target!r})",
-        "open('/proc/self/cwd/../' + 'escape.txt', 'w')",
-    ],
-)
-def test_writing_outside_the_directory_is_forbidden(tmp_path, code):
-    target = tmp_path / "escape.txt"
-    result = run_python(code.format(target=str(target), target_dir=str(tmp_path)), limits=FAST)
-    assert result.reason == "forbidden", result
-    assert "sandbox:" in result.stderr
-    assert not target.exists() and list(tmp_path.iterdir()) == []
-
-
-def test_other_files_cannot_be_changed_or_read(tmp_path):
-    victim = tmp_path / "victim.txt"
-    victim.write_text("original")
-    victim.chmod(0o644)
-    for code in (
-        f"import os\nos.remove({str(victim)!r})",
-        f"import os\nos.chmod({str(victim)!r}, 0o777)",
-        f"import os\nos.truncate({str(victim)!r}, 0)",
-        f"import os\nos.utime({str(victim)!r}, (0, 0))",
-        f"print(open({str(victim)!r}).read())",
-        "print(open('/etc/passwd').read())",
-        "import os\nprint(open('/proc/%d/environ' % os.getppid()).read())",
-    ):
-        result = run_python(code, limits=FAST)
-        assert result.reason == "forbidden", (code, result)
-        assert "original" not in result.stdout and "root:" not in result.stdout
-    assert victim.read_text() == "original" and victim.stat().st_mode & 0o777 == 0o644
-
-
-@pytest.mark.parametrize(
-    "code, message",
-    [
-        ("import subprocess\nsubprocess.run(['true'])", "running other programs"),
-        ("import os\nos.system('true')", "running other programs"),
-        ("import os\nos.execv('/bin/true', ['true'])", "running other programs"),
-        ("import os\nos.posix_spawn('/bin/true', ['true'], {})", "running other programs"),
-        ("import ctypes", "importing ctypes"),
-        ("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (100, 100))", "changing resource limits"),
-        ("import os, signal\nos.kill(os.getppid(), signal.SIGTERM)", "signalling other processes"),
-        ("import os\nos.setsid()", "os.setsid"),
-        ("import gc\ngc.get_objects()", "gc.get_objects"),
-        ("import sys\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess", "importing _posixsubprocess"),
-    ],
-)
-def test_escape_routes_are_forbidden(code, message):
-    result = run_python(code, limits=FAST)
-    assert result.reason == "forbidden", result
-    assert message in result.stderr
-
-
-def test_file_size_limit():
-    result = run_python("open('big.bin', 'wb').write(b'x' * 2**20 * 2)\n", limits=SandboxLimits(max_file_bytes=2**20))
-    assert result.reason == "file_limit", result
+def test_open_files_limit():
+    result = run_python("files = [open('/dev/null') for _ in range(1000)]\n", audit_hook=False)
+    assert result.reason == "open_files_limit", result
 
 
 def test_parent_process_is_unaffected():
@@ -294,17 +240,79 @@ def test_parent_process_is_unaffected():
 
 
 def test_concurrent_runs_from_threads():
-    # Envs may run in a thread pool; each run must still get its own process, directory and result.
+    # Envs may run in a thread pool; each run must still get its own sandbox, directory, uid and result.
+    # Each may fork once: a shared uid would make concurrent runs use up each other's process budget.
+    code = "import os, time\nopen('n', 'w').write('{n}')\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint(open('n').read(), os.listdir('.'))"
+    limits = SandboxLimits(max_processes=1)
     with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(lambda n: run_python(f"open('n', 'w').write('{n}')\nprint(open('n').read())"), range(6)))
-    assert [r.stdout for r in results] == [f"{n}\n" for n in range(6)]
+        results = list(pool.map(lambda n: run_python(code.format(n=n), limits=limits, audit_hook=False), range(6)))
+    assert [r.stdout for r in results] == [f"{n} ['n']\n" for n in range(6)], results
 
 
 def test_invalid_limits_are_config_errors():
     with pytest.raises(ConfigError, match="cpu_seconds"):
         SandboxLimits(cpu_seconds=0)
+    with pytest.raises(ConfigError, match="wall_seconds"):
+        SandboxLimits(wall_seconds=float("inf"))
     with pytest.raises(ConfigError, match="max_processes"):
         SandboxLimits(max_processes=-1)
+    with pytest.raises(ConfigError, match="disk_bytes"):
+        SandboxLimits(disk_bytes=0)
+    with pytest.raises(ConfigError, match="unknown sandbox"):
+        run_python("print(1)", sandbox="docker")
+    with pytest.raises(TypeError):
+        run_python(b"print(1)")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# no silent downgrade
+
+
+def test_missing_bubblewrap_refuses_with_the_fix(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxUnavailable, match="bubblewrap") as caught:
+        run_python("print(1)")
+    assert "apt-get install bubblewrap" in caught.value.hint and "process-unsafe" in caught.value.hint
+    env = PythonToolEnv()
+    env.reset(question="q", answer=1)
+    with pytest.raises(SandboxUnavailable):  # ends the run: never a silently failing observation
+        env.step(call("print(1)"))
+
+
+def test_process_unsafe_only_by_name_and_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox, "_warned_unsafe", type(sandbox._warned_unsafe)())
+    with caplog.at_level(logging.WARNING, logger="tinkerless.sandbox"):
+        first = run_python("print(6 * 7)", sandbox="process-unsafe")
+        second = run_python("print(1)", sandbox="process-unsafe")
+    assert first.stdout == "42\n" and first.sandbox == "process-unsafe" and second.ok
+    warnings = [r for r in caplog.records if "process-unsafe" in r.getMessage()]
+    assert len(warnings) == 1
+    monkeypatch.setenv("TINKERLESS_SANDBOX", "process-unsafe")
+    assert run_python("print(1)").sandbox == "process-unsafe"
+    monkeypatch.setenv("TINKERLESS_SANDBOX", "nonsense")
+    with pytest.raises(ConfigError, match="TINKERLESS_SANDBOX"):
+        run_python("print(1)")
+
+
+def test_process_unsafe_cleans_up_a_deep_tree():
+    # The old cleanup (shutil.rmtree) recursed once per level and raised RecursionError out of run_python.
+    from tinkerless.envs.sandbox.process_unsafe import _remove_tree
+
+    # Not under pytest's tmp_path: pytest's own cleanup is shutil.rmtree, which this tree would crash.
+    root = tempfile.mkdtemp(prefix="tinkerless-deep-tree-test-")
+    try:
+        fd = os.open(root, os.O_RDONLY)
+        for _ in range(1500):  # deeper than the recursion limit and PATH_MAX; built with dir fds
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        os.close(fd)
+    finally:
+        _remove_tree(root)
+    assert not os.path.exists(root)
+    result = run_python("import os\nos.makedirs('d/' * 100)\nprint('made')", sandbox="process-unsafe")
+    assert result.stdout == "made\n", result
 
 
 # ---------------------------------------------------------------------------
@@ -320,12 +328,26 @@ def fast_tool(monkeypatch):
     monkeypatch.setattr(python_tool, "TOOL_LIMITS", SandboxLimits(cpu_seconds=1, wall_seconds=2, max_output_bytes=4096))
 
 
-def test_python_tool_returns_output_or_raises_a_readable_error(fast_tool):
-    assert python(code="print(6 * 7)") == "42"
-    with pytest.raises(python_tool.PythonToolError, match="ZeroDivisionError"):
-        python(code="1 / 0")
-    with pytest.raises(python_tool.PythonToolError, match="does not allow"):
-        python(code="import socket\nsocket.socket()")
+def test_python_tool_observation_has_output_status_and_limit(fast_tool):
+    assert python(code="print(6 * 7)") == ToolObservation("42")
+    failed = python(code="print('before')\n1 / 0")
+    assert not failed.ok and failed.text.startswith("error: the program failed (exit status 1)")
+    assert "[stdout]\nbefore" in failed.text and "ZeroDivisionError" in failed.text
+    stopped = python(code="import time\nprint('started', flush=True)\ntime.sleep(60)")
+    assert not stopped.ok and "wall-clock limit" in stopped.text and "(timeout, killed by signal SIGKILL)" in stopped.text
+    assert "started" in stopped.text
+    memory = python(code="x = bytearray(2**33)")
+    assert "memory limit 256 MiB" in memory.text and "memory_limit" in memory.text
+    forbidden = python(code="import socket\nsocket.socket()")
+    assert "does not allow" in forbidden.text and "network access is not allowed" in forbidden.text
+    assert python(code="pass").text.startswith("(the program printed nothing")
+
+
+def test_python_tool_names_its_sandbox():
+    with pytest.raises(ConfigError, match="unknown sandbox"):
+        python_tool.python_tool(sandbox="chroot")
+    unsafe = python_tool.python_tool(sandbox="process-unsafe", limits=FAST)
+    assert unsafe(code="print(2 + 2)").text == "4"
 
 
 def test_python_tasks_have_integer_answers():
@@ -365,7 +387,7 @@ def test_python_env_scores_answers_and_partial_credit(fast_tool):
         "import os\nwhile True:\n    try:\n        os.fork()\n    except Exception:\n        pass\n",
         "import time\ntime.sleep(100)\n",
         "x = bytearray(10 * 2**30)\n",
-        "open('/tmp/tinkerless-sandbox-test-escape', 'w')\n",
+        "open('/etc/tinkerless-sandbox-test-escape', 'w')\n",
     ],
 )
 def test_python_env_survives_malicious_tool_calls(fast_tool, malicious):
@@ -374,13 +396,13 @@ def test_python_env_survives_malicious_tool_calls(fast_tool, malicious):
     started = time.monotonic()
     bad = env.step(call(malicious))
     assert time.monotonic() - started < 4
-    assert not bad.done and bad.observation.startswith("<tool_response>error: the program")
+    assert not bad.done and bad.observation.startswith("<tool_response>error: the program"), bad.observation
     assert env.calls[-1].ok is False
     good = env.step(call("print(sum(all(n % d for d in range(2, n)) for n in range(2, 100)))"))
     assert good.observation == "<tool_response>25</tool_response>"
     final = env.step("<answer>25</answer>")
     assert final.done and final.reward == 1.0
-    assert not os.path.exists("/tmp/tinkerless-sandbox-test-escape")
+    assert not os.path.exists("/etc/tinkerless-sandbox-test-escape")
 
 
 def test_python_env_malicious_only_episode_gets_no_credit(fast_tool):

@@ -1,9 +1,12 @@
 """A `python` tool that runs model-written code in the sandbox, small integer puzzles, and `PythonToolEnv`.
 
-The model writes a program, the tool runs it under `TOOL_LIMITS` (see
-`tinkerless.envs.sandbox`) and answers with what it printed. A program that fails,
-hangs, forks or touches the network is stopped; the tool then raises, so the
-model reads `error: ...` and the episode goes on.
+The model writes a program; the tool runs it in the sandbox (bubblewrap by default,
+see docs/sandbox.md) under `TOOL_LIMITS` and answers with a `ToolObservation`:
+what the program printed, and when it did not finish cleanly, its exit status,
+the limit it hit and the end of its stderr. A program that fails, hangs, forks or
+touches the network is an observation the model reads; the episode goes on.
+Where the sandbox cannot run, the tool raises `SandboxUnavailable` (the run stops
+and says how to fix it) rather than running the code less isolated.
 """
 
 from __future__ import annotations
@@ -11,56 +14,96 @@ from __future__ import annotations
 import math
 import random
 import re
+import signal
 from typing import Callable, ClassVar
 
-from tinkerless.envs.sandbox import SandboxLimits, SandboxResult
-from tinkerless.envs.sandbox import run_python as run_in_sandbox
-from tinkerless.envs.tools import ToolEnv, tool
+from tinkerless.envs.sandbox import SandboxLimits, SandboxResult, run_python, sandbox_kind
+from tinkerless.envs.tools import Tool, ToolEnv, ToolObservation, tool
 from tinkerless.sdk.decorators import env
 
 # Read at call time, so tests and deployments can tighten it.
 TOOL_LIMITS = SandboxLimits(cpu_seconds=2.0, wall_seconds=5.0, memory_bytes=256 * 2**20, max_output_bytes=4096)
 ERROR_TAIL_CHARS = 600  # the end of a traceback says what went wrong; keep the observation short
+STDOUT_TAIL_CHARS = 400  # of a failed run's stdout: enough to show how far it got
+
+_LIMIT_MESSAGES: dict[str, Callable[[SandboxLimits], str]] = {
+    "timeout": lambda l: f"it ran longer than {l.wall_seconds:g} s (wall-clock limit) and was stopped",
+    "cpu_limit": lambda l: f"it used more than {l.cpu_limit} s of CPU time (CPU limit) and was stopped",
+    "memory_limit": lambda l: f"it ran out of memory (memory limit {l.memory_bytes // 2**20} MiB)",
+    "file_limit": lambda l: f"it wrote a file larger than {l.max_file_bytes} bytes (file-size limit)",
+    "disk_limit": lambda l: f"it filled its work directory ({l.disk_bytes // 2**20} MiB disk limit)",
+    "process_limit": lambda l: f"it started more processes or threads than allowed ({l.max_processes})",
+    "open_files_limit": lambda l: "it opened too many files at once (open-file limit)",
+}
 
 
-class PythonToolError(RuntimeError):
-    """The program did not run to completion; the message is written for the model to read."""
+def exit_status(result: SandboxResult) -> str:
+    code = result.exit_code
+    if code is None:
+        return "exit status unknown"
+    if code < 0 or (result.sandbox == "bwrap" and 128 < code < 128 + 65 and result.reason not in ("ok", "error")):
+        number = -code if code < 0 else code - 128
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = str(number)
+        return f"killed by signal {name}"
+    return f"exit status {code}"
 
 
 def describe_failure(result: SandboxResult, limits: SandboxLimits) -> str:
-    """One short paragraph saying why a sandboxed run failed, with the end of its stderr."""
-    tail = result.stderr.strip()[-ERROR_TAIL_CHARS:]
-    last_line = tail.splitlines()[-1] if tail else ""
-    if result.reason == "error":
-        return f"the program failed (exit code {result.exit_code}):\n{tail}" if tail else f"the program exited with code {result.exit_code}"
-    if result.reason == "timeout":
-        return f"the program ran longer than {limits.wall_seconds:g} s and was stopped"
-    if result.reason == "cpu_limit":
-        return f"the program used more than {math.ceil(limits.cpu_seconds)} s of CPU time and was stopped"
-    if result.reason == "memory_limit":
-        return f"the program ran out of memory (limit {limits.memory_bytes // 2**20} MiB)"
-    if result.reason == "file_limit":
-        return f"the program wrote a file larger than {limits.max_file_bytes} bytes"
+    """One line saying why a sandboxed run did not finish cleanly: the limit it hit, or its exit status."""
+    status = exit_status(result)
+    if result.reason in _LIMIT_MESSAGES:
+        return f"the program was stopped: {_LIMIT_MESSAGES[result.reason](limits)} ({result.reason}, {status})"
     if result.reason == "forbidden":
-        return f"the program tried something the sandbox does not allow: {last_line}"
-    return f"the program was killed ({result.reason}, exit code {result.exit_code})"
+        return f"the program tried something the sandbox does not allow ({status})"
+    if result.reason == "error":
+        return f"the program failed ({status})"
+    return f"the program was killed ({result.reason}, {status})"
 
 
-@tool(example={"code": "print(6 * 7)"})
-def python(code: str) -> str:
-    """Run a Python 3 program and return what it prints; print the result. Standard library only, no network.
+def format_observation(result: SandboxResult, limits: SandboxLimits) -> ToolObservation:
+    """The tool's answer: stdout; and for a run that did not end cleanly, also why, its exit status and stderr."""
+    stdout, stderr = result.stdout.rstrip(), result.stderr.strip()
+    if result.ok:
+        text = stdout
+        if stderr:  # warnings and the like: useful, but after the output
+            text += f"\n[stderr]\n{stderr[-ERROR_TAIL_CHARS:]}"
+        if result.truncated:
+            text += f"\n[output limit: only the first {limits.max_output_bytes} bytes are shown]"
+        return ToolObservation(text if text.strip() else "(the program printed nothing; use print() to show the result)")
+    parts = [f"error: {describe_failure(result, limits)}"]
+    if stdout:
+        parts.append(f"[stdout]\n{stdout[-STDOUT_TAIL_CHARS:]}")
+    if stderr:
+        parts.append(f"[stderr]\n{stderr[-ERROR_TAIL_CHARS:]}")
+    return ToolObservation("\n".join(parts), ok=False)
 
-    Args:
-        code: the complete program, e.g. print(sum(i * i for i in range(1, 11)))
+
+def python_tool(*, sandbox: str | None = None, limits: SandboxLimits | None = None) -> Tool:
+    """A `python` tool running in the named sandbox ("bwrap", "modal" or, by explicit opt-in only, "process-unsafe").
+
+    `limits=None` reads `TOOL_LIMITS` at call time. The name is checked now, so a
+    typo fails when the env class is defined rather than at the first tool call.
     """
-    limits = TOOL_LIMITS
-    result = run_in_sandbox(code, limits=limits)
-    if not result.ok:
-        raise PythonToolError(describe_failure(result, limits))
-    output = result.stdout.rstrip()
-    if result.stderr.strip():  # warnings and the like: useful, but after the output
-        output += f"\n[stderr]\n{result.stderr.strip()[-ERROR_TAIL_CHARS:]}"
-    return output if output.strip() else "(the program printed nothing; use print() to show the result)"
+    if sandbox is not None:
+        sandbox_kind(sandbox)
+
+    @tool(example={"code": "print(6 * 7)"})
+    def python(code: str) -> ToolObservation:
+        """Run a Python 3 program and return what it prints; print the result. Standard library only, no network.
+
+        Args:
+            code: the complete program, e.g. print(sum(i * i for i in range(1, 11)))
+        """
+        chosen = limits if limits is not None else TOOL_LIMITS
+        return format_observation(run_python(code, limits=chosen, sandbox=sandbox), chosen)
+
+    return python
+
+
+python = python_tool()
 
 
 # ---------------------------------------------------------------------------
@@ -197,4 +240,14 @@ class PythonToolEnv(ToolEnv):
         return 0.2 if ran else 0.0
 
 
-__all__ = ["PythonToolEnv", "PythonToolError", "TASKS", "TOOL_LIMITS", "describe_failure", "last_integer", "make_python_task", "python"]
+__all__ = [
+    "PythonToolEnv",
+    "TASKS",
+    "TOOL_LIMITS",
+    "describe_failure",
+    "format_observation",
+    "last_integer",
+    "make_python_task",
+    "python",
+    "python_tool",
+]

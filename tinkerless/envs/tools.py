@@ -34,7 +34,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Union
 
 from tinkerless.envs.base import StepResult
+from tinkerless.envs.sandbox.limits import SandboxUnavailable
 from tinkerless.errors import EnvError, UserCodeError, UserError
+
+# A tool that cannot run on this machine at all ends the run loudly instead of becoming an
+# observation: a missing sandbox must never turn into episodes that silently fail every call.
+TOOL_UNAVAILABLE: tuple[type[BaseException], ...] = (SandboxUnavailable,)
 
 # Python annotation -> JSON-schema type name. bool before int: bool is an int subclass.
 _JSON_TYPES: dict[type, str] = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
@@ -375,8 +380,20 @@ def _placeholder_arguments(t: Tool) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class ToolObservation:
+    """What a tool returns when the outcome is more than a value: the text the model reads, and whether the call
+    succeeded. A program that hit a limit is `ToolObservation(text, ok=False)`: the model reads what happened and
+    the episode goes on; the call counts as failed for partial credit and `tool_errors`."""
+
+    text: str
+    ok: bool = True
+
+
 def format_result(value: Any) -> str:
     """A tool's return value as observation text: strings as they are, other values as JSON where possible."""
+    if isinstance(value, ToolObservation):
+        return value.text
     if isinstance(value, str):
         return value
     try:
@@ -409,7 +426,8 @@ class ToolEnv:
             def score(self, answer): return float(str(self.answer) in answer)
 
     Each turn: a tool call runs the tool and answers `<tool_response>...</tool_response>`
-    (reward 0; a tool that raises answers `error: ...` and the episode goes on); an
+    (reward 0; a tool that raises answers `error: ...` and the episode goes on, except
+    TOOL_UNAVAILABLE errors, which end the run); an
     unknown tool, bad arguments or unreadable call answers an error and costs
     `format_penalty`; an answer ends the episode with `score(answer)`. Every attempted
     call counts towards `max_tool_calls`; one more ends the episode with
@@ -484,12 +502,16 @@ class ToolEnv:
             self.calls.append(ToolCallRecord(call.name, call.arguments, ok=False, result=exc.message))
             return self._respond(f"error: {exc.message}", penalty=True)
         try:
-            result = format_result(chosen.fn(**arguments))
+            value = chosen.fn(**arguments)
+            result = format_result(value)
+        except TOOL_UNAVAILABLE:
+            raise
         except Exception as exc:  # a failing tool is information for the model, not a crashed episode
             message = str(exc) or type(exc).__name__
             self.calls.append(ToolCallRecord(call.name, arguments, ok=False, result=message))
             return self._respond(f"error: {message}", penalty=False)
-        self.calls.append(ToolCallRecord(call.name, arguments, ok=True, result=result))
+        ok = value.ok if isinstance(value, ToolObservation) else True
+        self.calls.append(ToolCallRecord(call.name, arguments, ok=ok, result=result))
         return self._respond(result, penalty=False)
 
     def _respond(self, text: str, *, penalty: bool) -> StepResult:
@@ -511,6 +533,8 @@ __all__ = [
     "ToolCallError",
     "ToolCallRecord",
     "ToolEnv",
+    "ToolObservation",
+    "TOOL_UNAVAILABLE",
     "describe_tools",
     "format_result",
     "parse_action",
