@@ -108,8 +108,9 @@ def test_env_error_with_raise_keeps_earlier_checkpoints(tiny_model, tmp_path):
     calls = itertools.count()
 
     def make_task(rng):
-        # call 0 is TaskSource's check, then 2 calls per step: steps 0 and 1 are fine, step 2 explodes
-        return {"prompt": f"task {rng.randint(0, 9)}", "boom": next(calls) >= 5}
+        # calls 0-2 are the checks before the model loads (TaskSource's own, then reset()'s fields on one
+        # batch of 2), then 2 calls per step: steps 0 and 1 are fine, step 2 explodes
+        return {"prompt": f"task {rng.randint(0, 9)}", "boom": next(calls) >= 7}
 
     kwargs = settings(tiny_model, tmp_path, steps=4, checkpoint_every=1)
     with pytest.raises(EnvError) as info:
@@ -282,9 +283,9 @@ def write(path: Path, text: str) -> str:
         (lambda d: write(d / "list.jsonl", '{"prompt": "a"}\n[1, 2]\n'), r"list\.jsonl:2 is a list, not a dict"),
         (lambda d: write(d / "blank.jsonl", "\n\n"), "the task dataset is empty"),
         (lambda d: str(d / "missing.jsonl"), r"missing\.jsonl does not exist"),
-        (lambda d: (lambda rng: ["not", "a", "dict"]), "generated task 0 is a list, not a dict"),
-        (lambda d: (lambda rng: 1 / 0), "raised at index 0: ZeroDivisionError"),
-        (lambda d: 42, "tasks must be a list of dicts, a JSONL path or a generator function, got int"),
+        (lambda d: (lambda rng: ["not", "a", "dict"]), "task function '.*' returned a list, not one task dict"),
+        (lambda d: (lambda rng: 1 / 0), "raised at task 0: ZeroDivisionError"),
+        (lambda d: 42, "tasks is a int, which is not a form of tasks"),
     ],
     ids=["empty", "non-dict", "bad-json-line", "jsonl-non-dict", "blank-jsonl", "missing-file", "gen-non-dict", "gen-raises", "int"],
 )

@@ -13,18 +13,18 @@ pytestmark = pytest.mark.slow
 
 
 @tinkerless.reward
-def first_number_is_sum(completion: str, task: dict) -> float:
+def last_number_is_sum(completion: str, task: dict) -> float:
     import re
 
-    numbers = re.findall(r"-?\d+", completion)
-    return float(bool(numbers) and int(numbers[0]) == task["answer"])
+    numbers = re.findall(r"-?\d+", completion)  # the last number: "7 + 5 is 12" is right
+    return float(bool(numbers) and int(numbers[-1]) == task["answer"])
 
 
 def test_one_real_grpo_step(tmp_path):
     tasks = [{"prompt": "What is 7 + 5? Answer with a number.", "answer": 12},
              {"prompt": "What is 3 + 4? Answer with a number.", "answer": 7}]
     result = tinkerless.train(
-        model="smollm2", reward=first_number_is_sum, tasks=tasks, steps=1, batch_size=2, group_size=4,
+        model="smollm2", reward=last_number_is_sum, tasks=tasks, steps=1, batch_size=2, group_size=4,
         max_tokens=8, temperature=0.7, storage=str(tmp_path), progress=False, run_id="smoke",
     )
     record = result.metrics[0]

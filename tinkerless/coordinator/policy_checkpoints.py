@@ -38,11 +38,12 @@ def restore_policies(
     policies: list[CheckpointPolicy],
     client_files: list[str],
     load_state: Callable[[CheckpointPolicy, dict[str, bytes], int], None],
-    reset: Callable[[CheckpointPolicy], None],
+    reset: Callable[[CheckpointPolicy], None] | None,
     step: int | None = None,
 ) -> RestoredCheckpoint:
     """Put every one of `policies` into exactly the state of checkpoint `step` (default: the latest valid
-    one); the `client_files` come back. With no valid checkpoint every policy is `reset` to its fresh init.
+    one); the `client_files` come back. With no valid checkpoint every policy is `reset` to its fresh init
+    (a reader such as `tinkerless eval` passes reset=None: it changes nothing and learns step None).
 
     A resume must never continue from what the worker still holds: a client killed before its first
     checkpoint, or whose checkpoints are all corrupt, would otherwise go on from adapters and optimizer
@@ -50,7 +51,7 @@ def restore_policies(
     skipped: list[str] = []
     checkpoint = checkpoints.load(step) if step is not None else checkpoints.load_latest(skipped)
     if checkpoint is None:
-        for policy in policies:
+        for policy in policies if reset is not None else ():
             reset(policy)
         return RestoredCheckpoint(step=None, warnings=skipped)
     files = dict(checkpoint.files)

@@ -52,7 +52,9 @@ def load_checkpoint(backend: Backend, config: TrainConfig, run_id: str, step: in
     """Load run `run_id`'s checkpoint into the worker's "default" policy, from wherever the run lives
     (`storage`, or the server the backend talks to, which loads it from its own storage)."""
     host = run_host_for(backend, config.storage, config.storage_options)
-    restored = host.checkpoints(run_id).restore([CheckpointPolicy("default", "", "default")], [CLIENT_STATE_FILE], step)
+    restored = host.checkpoints(run_id).restore(
+        [CheckpointPolicy("default", "", "default")], [CLIENT_STATE_FILE], step, driver=False
+    )
     if restored.step is None:
         raise UserError(f"run {run_id!r} has no valid checkpoint in {host.where}", hint="see `tinkerless runs`")
 

@@ -30,8 +30,11 @@ class RunCheckpoints(Protocol):
     def save(self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict) -> None: ...
 
     def restore(
-        self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None
-    ) -> RestoredCheckpoint: ...
+        self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None, *, driver: bool = True
+    ) -> RestoredCheckpoint:
+        """Load checkpoint `step` (default: the latest valid one). The run's `driver` resuming it resets every
+        policy to its fresh init when there is none; a reader (eval) leaves the worker as it was."""
+        ...
 
 
 class RunHost(Protocol):
@@ -91,7 +94,7 @@ class StoredCheckpoints:
         save_policies(self.store, step, policies, read, files, metadata)
 
     def restore(
-        self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None
+        self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None, *, driver: bool = True
     ) -> RestoredCheckpoint:
         def load(policy: CheckpointPolicy, files: dict[str, bytes], version: int) -> None:
             call(self.backend, "load_state", LoadStateRequest(PolicyState(policy.worker_policy, files, version), True))
@@ -99,7 +102,7 @@ class StoredCheckpoints:
         def reset(policy: CheckpointPolicy) -> None:
             call(self.backend, "reset_policy", ResetPolicyRequest(policy.worker_policy))
 
-        return restore_policies(self.store, policies, client_files, load, reset, step)
+        return restore_policies(self.store, policies, client_files, load, reset if driver else None, step)
 
 
 def newest_run_id(runs: list[RunState], name: str, where: str) -> str:

@@ -160,9 +160,10 @@ class ServerCheckpoints:
             self.coordinator.state = RunState.from_dict(reply.state)  # now naming this checkpoint
 
     def restore(
-        self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None
+        self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None, *, driver: bool = True
     ) -> RestoredCheckpoint:
-        lease = self.coordinator.lease if self.coordinator else None
+        # The server tells the driver from a reader by the lease: only the run's driver holds one.
+        lease = self.coordinator.lease if self.coordinator and driver else None
         request = RestoreCheckpointRequest(self.run_id, lease, policies, client_files, self.keep_last, step)
         reply = self.host.request("/v1/runs/checkpoint/restore", request, ordered=True, label="restore_checkpoint")
         _expect(reply, RestoredCheckpoint)

@@ -163,7 +163,9 @@ class RunService:
             self.worker.reset_policy(ResetPolicyRequest(_on_worker(tenant, policy)))
 
         checkpoints = self._checkpoints(tenant, request.run_id, request.keep_last)
-        restored = restore_policies(checkpoints, request.policies, request.client_files, load, reset, request.step)
+        reader = request.lease is None  # eval: nothing to reset when the run has no checkpoint
+        restored = restore_policies(checkpoints, request.policies, request.client_files, load,
+                                    None if reader else reset, request.step)
         restored.warnings = [self.redact(message) for message in restored.warnings]
         return restored
 
