@@ -27,6 +27,10 @@ from tinkerless.errors import InvalidRequest, TinkerlessError
 
 MAX_DEPTH = 32  # nesting of plain data (tasks, metadata); real requests use a handful of levels
 MAX_SEED = 2**63 - 1
+# Sanity ceilings only (nothing legitimate comes near them); the server's configurable per-request
+# limits on tokens and samples are stricter and apply on top.
+MAX_TOKENS = 1 << 20
+MAX_COUNT = 1 << 16
 MAX_POLICY_NAME = 200  # worker-side names (tenant and run prefixes included) become file names (255 bytes)
 _POLICY_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -182,22 +186,33 @@ def _json(value: Any, path: str) -> None:
     _check_plain(value, path, 0)
 
 
+def _instance_of(cls: type) -> Callable[[Any, str], None]:
+    def rule(value: Any, path: str) -> None:
+        if not isinstance(value, cls):
+            _fail(path, f"must be a {cls.__name__}, got {type(value).__name__}")
+
+    return rule
+
+
 def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
+    from tinkerless.functions.losses import LossConfig
     from tinkerless.wire import messages as m
     from tinkerless.wire import runs as r
 
+    loss = _instance_of(LossConfig)  # annotated Any on the wire (the wire does not import the losses)
+
     seed = between(0, MAX_SEED)
-    count = between(1)
+    count = between(1, MAX_COUNT)
     step = between(0)
     return {
-        m.SamplingParams: {"max_tokens": between(0), "temperature": between(0, 1000), "top_p": between(0, 1, low_open=True),
-                           "top_k": between(0)},
+        m.SamplingParams: {"max_tokens": between(0, MAX_TOKENS), "temperature": between(0, 1000), "top_p": between(0, 1, low_open=True),
+                           "top_k": between(0, MAX_TOKENS)},
         m.LoraConfig: {"rank": between(1, 256), "alpha": between(0, low_open=True), "dropout": between(0, 1, high_open=True),
                        "target_modules": _non_empty, "seed": seed},
         m.AdamParams: {"learning_rate": between(0), "beta1": between(0, 1, high_open=True),
                        "beta2": between(0, 1, high_open=True), "eps": between(0, low_open=True),
                        "weight_decay": between(0), "grad_clip_norm": between(0)},
-        m.EpisodeLimits: {"max_turns": count, "max_episode_tokens": count},
+        m.EpisodeLimits: {"max_turns": count, "max_episode_tokens": between(1, MAX_TOKENS)},
         m.CreatePolicyRequest: {"policy": policy_name},
         m.ResetPolicyRequest: {"policy": policy_name},
         m.RolloutRequest: {"policy": policy_name, "group_size": count, "seed": seed, "tasks": _json},
@@ -205,9 +220,9 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
                                      "protocol_timeout": between(0, 86400, low_open=True), "seats": _non_empty},
         m.Seat: {"policy": policy_name},
         m.ForwardRequest: {"policy": policy_name},
-        m.ForwardBackwardRequest: {"policy": policy_name, "data": _non_empty},
+        m.ForwardBackwardRequest: {"policy": policy_name, "data": _non_empty, "loss": loss},
         m.OptimStepRequest: {"policy": policy_name},
-        m.UpdateRequest: {"policy": policy_name, "data": _non_empty},
+        m.UpdateRequest: {"policy": policy_name, "data": _non_empty, "loss": loss},
         m.SampleRequest: {"policy": policy_name, "prompts": _non_empty, "num_samples": count, "seed": seed},
         m.PolicyState: {"policy": policy_name, "policy_version": step},
         m.SaveStateRequest: {"policy": policy_name},
