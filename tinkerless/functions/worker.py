@@ -205,14 +205,25 @@ class Worker:
             task_type="CAUSAL_LM",
         )
         # Seed LoRA's random init so the same seed gives the same adapter.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(lora.seed)
-            if not self.policies:
-                self.model = get_peft_model(self.base_model, config, adapter_name=name)
-                if isinstance(self.engine, TransformersEngine):
-                    self.engine.model = self.model
-            else:
-                self.model.add_adapter(name, config)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(lora.seed)
+                if not self.policies:
+                    model = get_peft_model(self.base_model, config, adapter_name=name)
+                else:
+                    self.model.add_adapter(name, config)
+                    model = self.model
+        except ValueError as exc:  # peft's refusals (no such target module, ...) are the caller's config
+            if self.policies:  # peft registers the config before injecting: forget it, or a retry finds it taken
+                getattr(self.model, "peft_config", {}).pop(name, None)
+            raise ConfigError(
+                f"cannot create LoRA adapter {name!r}: {str(exc)[:300]}",
+                hint="target_modules must name linear layers of this model (or be 'all-linear')",
+            ) from None
+        if model is not self.model:
+            self.model = model
+            if isinstance(self.engine, TransformersEngine):
+                self.engine.model = self.model
         params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
         for p in params:
             p.requires_grad_(True)
