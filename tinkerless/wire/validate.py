@@ -37,7 +37,7 @@ _POLICY_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _fail(path: str, message: str, hint: str | None = None) -> None:
-    raise InvalidRequest(f"{path} {message}", hint=hint or "fix the value in the request (see docs/api.md)")
+    raise InvalidRequest(f"{path} {message}", hint=hint or "fix the value in the request (see docs/errors.md)")
 
 
 # ---- generic checks against the annotations -------------------------------------------------
