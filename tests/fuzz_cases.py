@@ -297,7 +297,7 @@ def requests(draw, target: Target) -> HttpRequest:
             body = json.dumps(draw(mutated(templates.get(name, {}), hostile_json))).encode()
         return HttpRequest("POST", f"/api/v1/{name}", body, {"Content-Type": "application/json"}, tenant)
     if kind == "raw":
-        path = draw(st.sampled_from([f"/v1/call/{m}" for m in call_templates()] + list(run_templates(target))))
+        path = draw(st.sampled_from([f"/v1/call/{m}" for m in [*call_templates(), "nope"]] + list(run_templates(target))))
         body = draw(st.one_of(st.sampled_from(RAW_MSGPACK), st.binary(max_size=64)))
         return HttpRequest("POST", path, body, _headers(draw, False), tenant)
     run = draw(st.sampled_from([target.run_id, "nope", "x%0A", "..", "%2e%2e", "a" * 300]))

@@ -109,10 +109,11 @@ def create_app(
             return error_response(400, exc)
         try:
             body = await read_body(request, max_request_bytes)
-            if tenant:  # multi-tenant: scope every policy name to the caller, once the request is known sound
+            # Multi-tenant: scope every policy name to the caller, once the request is known sound. `info`
+            # ignores its request and unknown methods are refused by the worker: their bodies are never walked.
+            if tenant and method != "info" and (not known_methods or method in known_methods):
                 decoded = decode_message(body)
-                if method in getattr(worker, "METHODS", ()) and method != "info":
-                    validate(decoded)  # the worker validates again, token ids included, after scoping
+                validate(decoded)  # the worker validates again, token ids included, after scoping
                 body = encode_message(scope(decoded, tenant_prefix(tenant)))
         except (RequestTooLarge, ProtocolError) as exc:
             if stream is not None:
