@@ -165,3 +165,38 @@ def test_run_ids_refuse_a_trailing_newline():
     for bad in ("run\n", "run\r\n", "\nrun", "a" * 129, "../x", ""):
         with pytest.raises(UserError):
             validate_run_id(bad)
+
+
+def test_a_bad_policy_state_is_refused_and_leaves_the_policy_untouched(worker):
+    from tinkerless.errors import UserError
+
+    worker.create_policy(CreatePolicyRequest("keepme", LoraConfig(rank=2)))
+    good = worker.save_state(SaveStateRequest("keepme")).files
+    other_rank = dict(good)
+    worker.create_policy(CreatePolicyRequest("rank4", LoraConfig(rank=4)))
+    other_rank["adapter/adapter_model.safetensors"] = worker.save_state(SaveStateRequest("rank4")).files[
+        "adapter/adapter_model.safetensors"
+    ]
+    broken = [
+        {},
+        {**good, "adapter/adapter_config.json": b"[]"},
+        {**good, "adapter/adapter_config.json": b'{"r": 0}'},
+        {**good, "adapter/adapter_config.json": b"not json"},
+        {**good, "adapter/adapter_model.safetensors": b"garbage"},
+        {**good, "optimizer.pt": b"garbage"},
+        {**good, "optimizer.pt": good["worker_rng.pt"]},  # a torch file, but not an optimizer state
+        {**good, "worker_rng.pt": b"\x80\x04garbage"},
+        other_rank,  # weights of another shape
+    ]
+    for files in broken:
+        with pytest.raises(UserError):
+            worker.load_state(LoadStateRequest(PolicyState("keepme", files, 7)))
+        assert worker.save_state(SaveStateRequest("keepme")).files["adapter/adapter_model.safetensors"] == good[
+            "adapter/adapter_model.safetensors"
+        ]
+        assert worker.policies["keepme"].version == 0
+    # A bad state for a policy that does not exist yet leaves no half-made policy behind.
+    with pytest.raises(UserError):
+        worker.load_state(LoadStateRequest(PolicyState("newone", other_rank | {
+            "adapter/adapter_config.json": good["adapter/adapter_config.json"]}, 1)))
+    assert "newone" not in worker.policies
