@@ -154,7 +154,7 @@ def test_run_calls_answer_typed_errors(worker, tmp_path):
     with running(create_app(worker, storage=str(tmp_path))) as url:
         headers = {"Content-Type": "application/msgpack"}
         unknown = httpx.post(f"{url}/v1/runs/call/explode", content=encode_message(RunCall("x", {}, "lease")), headers=headers)
-        assert unknown.status_code == 400 and decode_message(unknown.content).type == "ProtocolError"
+        assert unknown.status_code == 400 and decode_message(unknown.content).type == "InvalidRequest"
         wrong_type = httpx.post(f"{url}/v1/runs/call/open", content=encode_message({"run_id": "x"}), headers=headers)
         assert wrong_type.status_code == 400 and "expected a RunCall" in decode_message(wrong_type.content).error
         host = ServerRunHost(HTTPBackend(url))
@@ -170,7 +170,7 @@ def test_run_calls_answer_typed_errors(worker, tmp_path):
         missing = httpx.post(
             f"{url}/v1/runs/call/wait_rollouts", content=encode_message(RunCall("typed", {}, run.lease)), headers=headers
         )
-        assert missing.status_code == 400 and "bad arguments for wait_rollouts" in decode_message(missing.content).error
+        assert missing.status_code == 400 and "wait_rollouts needs the arguments ['step']" in decode_message(missing.content).error
 
 
 def test_policy_checkpoint_layout_round_trips(tmp_path):

@@ -242,6 +242,8 @@ class Worker:
         from peft import LoraConfig as PeftLoraConfig
 
         name = request.policy
+        if request.missing_ok and name not in self.policies:
+            return {"policy": name, "policy_version": 0}
         policy = self._policy(name)
         lora = policy.lora
         scratch = "zzreset" + hashlib.sha256(name.encode()).hexdigest()[:8]

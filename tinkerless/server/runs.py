@@ -160,7 +160,7 @@ class RunService:
             self.worker.load_state(LoadStateRequest(PolicyState(_on_worker(tenant, policy), files, version), True))
 
         def reset(policy: CheckpointPolicy) -> None:
-            self.worker.reset_policy(ResetPolicyRequest(_on_worker(tenant, policy)))
+            self.worker.reset_policy(ResetPolicyRequest(_on_worker(tenant, policy), missing_ok=True))
 
         checkpoints = self._checkpoints(tenant, request.run_id, request.keep_last)
         restored = restore_policies(checkpoints, request.policies, request.client_files, load, reset, request.step)
