@@ -103,3 +103,24 @@ def test_server_errors_never_show_the_servers_storage_paths(worker, tmp_path):
     for error in errors:
         assert "secret-server-dir" not in error and os.fspath(tmp_path) not in error, error
         assert "<server storage>" in error
+
+
+def test_an_unexpected_bug_is_a_typed_500_in_the_routes_format():
+    from tinkerless.wire import decode_message, encode_message
+    from tinkerless.wire.messages import ErrorReply
+
+    class Buggy:  # a worker whose every entry point has a bug
+        def handle(self, method: str, payload: bytes) -> bytes:
+            raise RuntimeError("/secret/path/to/storage exploded")
+
+        def info(self, _request=None) -> dict:
+            raise RuntimeError("/secret/path/to/storage exploded")
+
+    with running(create_app(Buggy())) as url:
+        health = httpx.get(f"{url}/healthz")
+        called = httpx.post(f"{url}/v1/call/info", content=encode_message({}), headers={"Content-Type": "application/msgpack"})
+    assert health.status_code == 500 and health.json()["category"] == "server"
+    assert "internal error (RuntimeError)" in health.json()["error"] and "secret" not in health.text
+    reply = decode_message(called.content)
+    assert called.status_code == 500 and isinstance(reply, ErrorReply) and reply.category == "server"
+    assert "secret" not in reply.error

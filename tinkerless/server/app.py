@@ -178,9 +178,9 @@ def create_app(
         """The last resort: a bug answers a typed 500 in the route's own format, never a bare one."""
         logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
         error = TinkerlessError(f"internal error ({type(exc).__name__})", hint="this is a server bug; see the server's log")
-        if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": f"{error.message} ({error.hint})", "category": "server"}, status_code=500)
-        return error_response(500, error)
+        if request.url.path.startswith("/v1/"):  # the msgpack routes answer an ErrorReply envelope
+            return error_response(500, error)
+        return JSONResponse({"error": f"{error.message} ({error.hint})", "category": "server"}, status_code=500)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
