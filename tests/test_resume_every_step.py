@@ -17,6 +17,7 @@ import time
 import warnings
 from pathlib import Path
 
+import pytest
 from conftest import write_resumable_example
 from safetensors.torch import load as load_safetensors
 
@@ -163,6 +164,13 @@ def test_reset_policy_rebuilds_the_seeded_init_and_a_fresh_optimizer(tiny_model)
         "adapter/adapter_model.safetensors"
     ]
     assert sorted(worker.info()["policies"]) == ["other", "pol"]
+    # A policy the worker does not hold: an error, unless the caller says it may be missing (a read-only eval).
+    from tinkerless.errors import UserError
+
+    with pytest.raises(UserError, match="does not exist"):
+        worker.reset_policy(ResetPolicyRequest("absent"))
+    worker.reset_policy(ResetPolicyRequest("absent", missing_ok=True))
+    assert "absent" not in worker.policies
     # A second server (a restart) builds the same init from the same seed.
     again = Worker(tiny_model)
     again.create_policy(CreatePolicyRequest("pol", LoraConfig(rank=4, seed=3)))

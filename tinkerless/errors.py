@@ -67,7 +67,9 @@ class SequenceReused(ProtocolError, ValueError):
 
 
 class PhaseError(TinkerlessError):
-    """A coordinator barrier was violated (e.g. update before rollouts finished)."""
+    """A coordinator barrier was violated (e.g. update before rollouts finished): the caller's call order (409)."""
+
+    category = "user"
 
 
 class BarrierTimeout(TinkerlessError):

@@ -1,4 +1,6 @@
-"""Reading a policy state someone sent (`load_state`): every file is parsed and checked before any is applied.
+"""A policy's state on the worker: reading one someone sent, and rebuilding the fresh init.
+
+`parse_policy_state` (for `load_state`) parses and checks every file before any is applied.
 
 A state arrives from a client (or a checkpoint a client may have edited), so nothing in it
 is trusted: a file that does not parse, a config of the wrong shape, weights that do not fit
@@ -8,6 +10,7 @@ the policy is left untouched (no half-loaded adapter).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from dataclasses import dataclass
@@ -96,3 +99,36 @@ def check_weights_fit(policy: str, weights: dict[str, torch.Tensor], expected: d
         k = wrong[0]
         raise _bad(policy, ADAPTER_WEIGHTS, f"{k} has shape {tuple(weights[k].shape)}, the adapter's is "
                    f"{tuple(expected[k].shape)} (another LoRA rank or model?)")
+
+
+def peft_config(lora: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+
+
+def reinit_adapter(model: Any, name: str, lora: LoraConfig) -> None:
+    """Put adapter `name`'s weights back to what `lora.seed` gave them at creation (`reset_policy`).
+
+    A run resumed without a usable checkpoint must start from the fresh init, not from whatever
+    the server still holds from an earlier attempt. The init is rebuilt by creating a scratch
+    adapter under the same seed (peft's init draws the same numbers whatever the adapter's name)
+    and copying it over, so it needs no stored copy and is the same after a server restart."""
+    scratch = "zzreset" + hashlib.sha256(name.encode()).hexdigest()[:8]
+    active = model.active_adapter
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(lora.seed)
+        model.add_adapter(scratch, peft_config(lora))
+    try:
+        fresh = {n.replace(f".{scratch}.", f".{name}."): p for n, p in model.named_parameters() if f".{scratch}." in n}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if f".{name}." in n and "lora_" in n:
+                    p.copy_(fresh[n])
+                    p.grad = None
+    finally:
+        model.delete_adapter(scratch)
+        model.set_adapter(active)

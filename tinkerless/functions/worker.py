@@ -29,7 +29,7 @@ from tinkerless.functions.agent_loop import run_episodes
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import TransformersEngine
 from tinkerless.functions.multi_agent_loop import run_games
-from tinkerless.functions.policy_state import check_weights_fit, parse_policy_state
+from tinkerless.functions.policy_state import check_weights_fit, parse_policy_state, peft_config, reinit_adapter
 from tinkerless.functions.models import load_model, resolve_model
 from tinkerless.wire import decode_message, encode_message, unpack_code
 from tinkerless.wire.code import CodeBlob
@@ -188,7 +188,6 @@ class Worker:
         }
 
     def create_policy(self, request: CreatePolicyRequest) -> dict:
-        from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
 
         name = request.policy
@@ -199,22 +198,27 @@ class Worker:
             # peft finds adapter weights by substring; a name inside "lora_" would corrupt loading.
             raise ConfigError(f"invalid policy name {name!r}", hint="use 2+ letters, digits, '-' and '_' (not 'base')")
         lora = request.lora
-        config = PeftLoraConfig(
-            r=lora.rank,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
+        config = peft_config(lora)
         # Seed LoRA's random init so the same seed gives the same adapter.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(lora.seed)
-            if not self.policies:
-                self.model = get_peft_model(self.base_model, config, adapter_name=name)
-                if isinstance(self.engine, TransformersEngine):
-                    self.engine.model = self.model
-            else:
-                self.model.add_adapter(name, config)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(lora.seed)
+                if not self.policies:
+                    model = get_peft_model(self.base_model, config, adapter_name=name)
+                else:
+                    self.model.add_adapter(name, config)
+                    model = self.model
+        except ValueError as exc:  # peft's refusals (no such target module, ...) are the caller's config
+            if self.policies:  # peft registers the config before injecting: forget it, or a retry finds it taken
+                getattr(self.model, "peft_config", {}).pop(name, None)
+            raise ConfigError(
+                f"cannot create LoRA adapter {name!r}: {str(exc)[:300]}",
+                hint="target_modules must name linear layers of this model (or be 'all-linear')",
+            ) from None
+        if model is not self.model:
+            self.model = model
+            if isinstance(self.engine, TransformersEngine):
+                self.engine.model = self.model
         params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
         for p in params:
             p.requires_grad_(True)
@@ -224,36 +228,13 @@ class Worker:
         return {"policy": name, "created": True}
 
     def reset_policy(self, request: ResetPolicyRequest) -> dict:
-        """Re-initialize an existing policy exactly as `create_policy` made it from its LoRA seed.
-
-        A run resumed without a usable checkpoint must start from the fresh init, not from
-        whatever the server still holds from an earlier attempt. The init is rebuilt by creating
-        a scratch adapter under the same seed (peft's init draws the same numbers for any name)
-        and copying it over, so it needs no stored copy and survives a server restart."""
-        from peft import LoraConfig as PeftLoraConfig
-
+        """Re-initialize an existing policy exactly as `create_policy` made it from its LoRA seed:
+        the adapter's init, a fresh optimizer, version 0 (see `policy_state.reinit_adapter`)."""
         name = request.policy
+        if request.missing_ok and name not in self.policies:
+            return {"policy": name, "policy_version": 0}
         policy = self._policy(name)
-        lora = policy.lora
-        scratch = "zzreset" + hashlib.sha256(name.encode()).hexdigest()[:8]
-        config = PeftLoraConfig(
-            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        active = self.model.active_adapter
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(lora.seed)
-            self.model.add_adapter(scratch, config)
-        try:
-            fresh = {n.replace(f".{scratch}.", f".{name}."): p for n, p in self.model.named_parameters() if f".{scratch}." in n}
-            with torch.no_grad():
-                for n, p in self.model.named_parameters():
-                    if f".{name}." in n and "lora_" in n:
-                        p.copy_(fresh[n])
-                        p.grad = None
-        finally:
-            self.model.delete_adapter(scratch)
-            self.model.set_adapter(active)
+        reinit_adapter(self.model, name, policy.lora)
         policy.optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
         policy.version = 0
         self._forget_snapshots(name)

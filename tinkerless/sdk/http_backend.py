@@ -105,7 +105,7 @@ class HTTPBackend:
         try:
             return self._client.post(path, content=payload, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise _remote_error(f"cannot reach the tinkerless server at {self.base_url} ({exc})", _START_HINT) from exc
+            raise _remote_error(f"{method} failed: cannot reach the tinkerless server at {self.base_url} ({exc})", _START_HINT) from exc
         except httpx.TimeoutException as exc:
             raise _remote_error(
                 f"{method} on {url} did not answer in time ({exc})",

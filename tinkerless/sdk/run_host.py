@@ -100,7 +100,7 @@ class StoredCheckpoints:
             call(self.backend, "load_state", LoadStateRequest(PolicyState(policy.worker_policy, files, version), True))
 
         def reset(policy: CheckpointPolicy) -> None:
-            call(self.backend, "reset_policy", ResetPolicyRequest(policy.worker_policy))
+            call(self.backend, "reset_policy", ResetPolicyRequest(policy.worker_policy, missing_ok=True))
 
         return restore_policies(self.store, policies, client_files, load, reset if driver else None, step)
 

@@ -126,10 +126,11 @@ def create_app(
             body = await read_body(request, max_request_bytes)
             if method in _GENERATING and hasattr(worker, "chat"):
                 await asyncio.to_thread(_check_limits, limits, worker, method, body)
-            if tenant:  # multi-tenant: scope every policy name to the caller, once the request is known sound
+            # Multi-tenant: scope every policy name to the caller, once the request is known sound. `info`
+            # ignores its request and unknown methods are refused by the worker: their bodies are never walked.
+            if tenant and method != "info" and (not known_methods or method in known_methods):
                 decoded = decode_message(body)
-                if method in getattr(worker, "METHODS", ()) and method != "info":
-                    validate(decoded)  # the worker validates again, token ids included, after scoping
+                validate(decoded)  # the worker validates again, token ids included, after scoping
                 body = encode_message(scope(decoded, tenant_prefix(tenant)))
         except LimitExceeded as exc:
             if stream is not None:
@@ -207,9 +208,9 @@ def create_app(
         """The last resort: a bug answers a typed 500 in the route's own format, never a bare one."""
         logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
         error = TinkerlessError(f"internal error ({type(exc).__name__})", hint="this is a server bug; see the server's log")
-        if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": f"{error.message} ({error.hint})", "category": "server"}, status_code=500)
-        return error_response(500, error)
+        if request.url.path.startswith("/v1/"):  # the msgpack routes answer an ErrorReply envelope
+            return error_response(500, error)
+        return JSONResponse({"error": f"{error.message} ({error.hint})", "category": "server"}, status_code=500)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

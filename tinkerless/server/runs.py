@@ -160,7 +160,7 @@ class RunService:
             self.worker.load_state(LoadStateRequest(PolicyState(_on_worker(tenant, policy), files, version), True))
 
         def reset(policy: CheckpointPolicy) -> None:
-            self.worker.reset_policy(ResetPolicyRequest(_on_worker(tenant, policy)))
+            self.worker.reset_policy(ResetPolicyRequest(_on_worker(tenant, policy), missing_ok=True))
 
         checkpoints = self._checkpoints(tenant, request.run_id, request.keep_last)
         reader = request.lease is None  # eval: nothing to reset when the run has no checkpoint

@@ -58,9 +58,13 @@ class CreatePolicyRequest:
 
 @dataclass
 class ResetPolicyRequest:
-    """Put an existing policy back to its fresh init: the adapter its LoRA seed gives, a new optimizer, version 0."""
+    """Put an existing policy back to its fresh init: the adapter its LoRA seed gives, a new optimizer, version 0.
+
+    With `missing_ok`, a policy the worker does not hold is left alone (it holds nothing stale; its
+    `create_policy` will make the fresh init), instead of being an error."""
 
     policy: str
+    missing_ok: bool = False
 
 
 @dataclass

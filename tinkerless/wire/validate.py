@@ -27,12 +27,17 @@ from tinkerless.errors import InvalidRequest, TinkerlessError
 
 MAX_DEPTH = 32  # nesting of plain data (tasks, metadata); real requests use a handful of levels
 MAX_SEED = 2**63 - 1
+# Sanity ceilings only (nothing legitimate comes near them); the server's configurable per-request
+# limits on tokens and samples are stricter and apply on top.
+MAX_TOKENS = 1 << 20
+MAX_COUNT = 1 << 16
+MIN_TEMPERATURE = 1e-3
 MAX_POLICY_NAME = 200  # worker-side names (tenant and run prefixes included) become file names (255 bytes)
 _POLICY_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _fail(path: str, message: str, hint: str | None = None) -> None:
-    raise InvalidRequest(f"{path} {message}", hint=hint or "fix the value in the request (see docs/api.md)")
+    raise InvalidRequest(f"{path} {message}", hint=hint or "fix the value in the request (see docs/errors.md)")
 
 
 # ---- generic checks against the annotations -------------------------------------------------
@@ -134,7 +139,10 @@ def _check(value: Any, hint: Any, path: str, depth: int = 0) -> None:
 def _check_dataclass(value: Any, path: str, depth: int) -> None:
     cls = type(value)
     for name, hint in _hints(cls).items():
-        _check(getattr(value, name), hint, f"{path}.{name}", depth + 1)
+        field_value = getattr(value, name)
+        _check(field_value, hint, f"{path}.{name}", depth + 1)
+        if hint is float and not isinstance(field_value, float):  # 2 means 2.0: libraries downstream insist
+            object.__setattr__(value, name, float(field_value))
     for name, rule in _RULES.get(cls, {}).items():
         rule(getattr(value, name), f"{path}.{name}")
     own = getattr(value, "validate", None)
@@ -173,6 +181,18 @@ def policy_name(value: Any, path: str) -> None:
         )
 
 
+def _temperature(value: Any, path: str) -> None:
+    # 0 is greedy; a positive one this small divides the logits into infinities.
+    if value != 0 and not MIN_TEMPERATURE <= value <= 100:
+        _fail(path, f"is {value!r}; use 0 (greedy) or a value in [{MIN_TEMPERATURE}, 100]")
+
+
+def trainable_policy(value: Any, path: str) -> None:
+    policy_name(value, path)
+    if value == "base":
+        _fail(path, "is the base model, which is shared and never trained", "name one of your own policies")
+
+
 def _non_empty(value: Any, path: str) -> None:
     if not value:
         _fail(path, "must not be empty")
@@ -182,34 +202,45 @@ def _json(value: Any, path: str) -> None:
     _check_plain(value, path, 0)
 
 
+def _instance_of(cls: type) -> Callable[[Any, str], None]:
+    def rule(value: Any, path: str) -> None:
+        if not isinstance(value, cls):
+            _fail(path, f"must be a {cls.__name__}, got {type(value).__name__}")
+
+    return rule
+
+
 def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
+    from tinkerless.functions.losses import LossConfig
     from tinkerless.wire import messages as m
     from tinkerless.wire import runs as r
 
+    loss = _instance_of(LossConfig)  # annotated Any on the wire (the wire does not import the losses)
+
     seed = between(0, MAX_SEED)
-    count = between(1)
+    count = between(1, MAX_COUNT)
     step = between(0)
     return {
-        m.SamplingParams: {"max_tokens": between(0), "temperature": between(0, 1000), "top_p": between(0, 1, low_open=True),
-                           "top_k": between(0)},
+        m.SamplingParams: {"max_tokens": between(0, MAX_TOKENS), "temperature": _temperature, "top_p": between(0, 1, low_open=True),
+                           "top_k": between(0, MAX_TOKENS)},
         m.LoraConfig: {"rank": between(1, 256), "alpha": between(0, low_open=True), "dropout": between(0, 1, high_open=True),
                        "target_modules": _non_empty, "seed": seed},
         m.AdamParams: {"learning_rate": between(0), "beta1": between(0, 1, high_open=True),
                        "beta2": between(0, 1, high_open=True), "eps": between(0, low_open=True),
                        "weight_decay": between(0), "grad_clip_norm": between(0)},
-        m.EpisodeLimits: {"max_turns": count, "max_episode_tokens": count},
-        m.CreatePolicyRequest: {"policy": policy_name},
-        m.ResetPolicyRequest: {"policy": policy_name},
+        m.EpisodeLimits: {"max_turns": count, "max_episode_tokens": between(1, MAX_TOKENS)},
+        m.CreatePolicyRequest: {"policy": trainable_policy},
+        m.ResetPolicyRequest: {"policy": trainable_policy},
         m.RolloutRequest: {"policy": policy_name, "group_size": count, "seed": seed, "tasks": _json},
         m.MultiAgentRolloutRequest: {"group_size": count, "seed": seed, "tasks": _json,
                                      "protocol_timeout": between(0, 86400, low_open=True), "seats": _non_empty},
         m.Seat: {"policy": policy_name},
         m.ForwardRequest: {"policy": policy_name},
-        m.ForwardBackwardRequest: {"policy": policy_name, "data": _non_empty},
-        m.OptimStepRequest: {"policy": policy_name},
-        m.UpdateRequest: {"policy": policy_name, "data": _non_empty},
+        m.ForwardBackwardRequest: {"policy": trainable_policy, "data": _non_empty, "loss": loss},
+        m.OptimStepRequest: {"policy": trainable_policy},
+        m.UpdateRequest: {"policy": trainable_policy, "data": _non_empty, "loss": loss},
         m.SampleRequest: {"policy": policy_name, "prompts": _non_empty, "num_samples": count, "seed": seed},
-        m.PolicyState: {"policy": policy_name, "policy_version": step},
+        m.PolicyState: {"policy": trainable_policy, "policy_version": step},
         m.SaveStateRequest: {"policy": policy_name},
         r.CheckpointPolicy: {"worker_policy": policy_name, "version": step},
         r.SaveCheckpointRequest: {"step": step, "keep_last": count, "metadata": _json},
@@ -319,7 +350,7 @@ def _optional_map(value: Any, path: str) -> None:
 
 
 def _status(value: Any, path: str) -> None:
-    if value not in ("finished", "failed", "interrupted"):
+    if not isinstance(value, str) or value not in ("finished", "failed", "interrupted"):
         _fail(path, f"must be 'finished', 'failed' or 'interrupted', got {str(value)[:32]!r}")
 
 

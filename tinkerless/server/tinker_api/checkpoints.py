@@ -29,6 +29,8 @@ KINDS = {"weights": "training", "sampler_weights": "sampler"}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _STEP = 1  # a named checkpoint is a one-step CheckpointStore; saving again replaces that step
 
+MAX_RUN_ID = 200
+
 
 def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat()
@@ -71,7 +73,13 @@ class CheckpointRegistry:
         self.store = store
 
     def _run_prefix(self, tenant: str, run_id: str) -> str:
-        return f"tenants/{tenant or '_'}/tinker/runs/{urllib.parse.quote(run_id, safe='')}"
+        quoted = urllib.parse.quote(run_id, safe="") if isinstance(run_id, str) else ""
+        if not quoted or len(quoted) > MAX_RUN_ID:  # it becomes one file name in storage
+            raise UserError(
+                f"training run id of {len(quoted)} characters (URL-quoted) is not valid",
+                hint=f"use the id a training client was given (1-{MAX_RUN_ID} characters)",
+            )
+        return f"tenants/{tenant or '_'}/tinker/runs/{quoted}"
 
     # -- runs ----------------------------------------------------------------------
 

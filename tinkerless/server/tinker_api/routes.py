@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 
 from tinkerless.errors import TinkerlessError
 from tinkerless.server.body import RequestTooLarge, read_body
+from tinkerless.server.replies import Redactor
 from tinkerless.server.scheduler import QueueFull
 from tinkerless.server.tinker_api.service import Proto, TinkerService
 
@@ -50,6 +51,7 @@ def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats
     """`tenant_of(request)` gives the caller's tenant ("" without auth) or None for a bad key.
     With `stats` (the server's `ServerStats`), every answer is counted in `/metrics`."""
     router = APIRouter(prefix="/api/v1")
+    redact = Redactor(service.registry.store.url)  # errors name checkpoints by key, never by the server's path
 
     async def call(request: Request, handler, *, raw: bool = False) -> Response:
         response = await _answer(request, handler, raw=raw)
@@ -80,7 +82,8 @@ def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats
         except (KeyError, TypeError, ValueError, OverflowError) as exc:  # a field missing or of the wrong kind
             return _error(400, f"malformed request: {type(exc).__name__}: {str(exc)[:300]}")
         except TinkerlessError as exc:
-            return _error(400 if exc.category == "user" else 500, exc.message, exc.category, getattr(exc, "hint", None))
+            return _error(400 if exc.category == "user" else 500, redact(exc.message), exc.category,
+                          redact(getattr(exc, "hint", None)))
         return JSONResponse(result)
 
     def route(path: str, handler, *, raw: bool = False, method: str = "post"):
@@ -153,7 +156,8 @@ def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"},
                                 status_code=408)
         except Exception as exc:  # noqa: BLE001 - the call failed: the SDK gets a typed failure
-            return JSONResponse(_failure(exc))
+            failure = _failure(exc)
+            return JSONResponse({**failure, "error": redact(failure["error"])})
         if isinstance(result, Proto):
             return Response(result.data, media_type=PROTOBUF)
         return JSONResponse(result)

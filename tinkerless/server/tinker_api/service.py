@@ -174,7 +174,9 @@ class TinkerService:
     def _new_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str | None, metadata) -> TrainingModel:
         self.session(tenant, session_id)
         self._check_base_model(base_model)
-        model_id = f"{session_id}:train:{int(model_seq_id)}"
+        if isinstance(model_seq_id, bool) or not isinstance(model_seq_id, int) or not 0 <= model_seq_id < 2**63:
+            raise UserError(f"model_seq_id must be an integer in [0, 2**63), got {str(model_seq_id)[:32]!r}")
+        model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.models:
             raise UserError(f"model {model_id} already exists", hint="use a new model_seq_id")
         policy = tenant_prefix(tenant) + "tk" + hashlib.sha256(model_id.encode()).hexdigest()[:16]
