@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tinkerless.errors import ProtocolError, ServerBusy, TinkerlessError
+from tinkerless.errors import ProtocolError, SequenceReused, ServerBusy, TinkerlessError
 from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.keys import KeyStore
 from tinkerless.server.limits import LimitExceeded, ServingLimits
@@ -158,7 +158,11 @@ def create_app(
 
         if method in model_free:  # reads no model: never waits behind the queue
             if stream is not None:
-                scheduler.skip(tenant, stream, seq)
+                try:
+                    scheduler.skip(tenant, stream, seq, refuse_reused=True)
+                except SequenceReused as exc:
+                    stats.count(label, status_of(exc))
+                    return error_response(status_of(exc), exc)
             return _reply(label, tenant, *run())
 
         try:

@@ -154,11 +154,14 @@ class Scheduler:
             self._cond.notify_all()
             return job.future
 
-    def skip(self, tenant: str, stream: str, seq: int) -> None:
-        """Mark a sequence number as used without running anything (the call was refused on arrival)."""
+    def skip(self, tenant: str, stream: str, seq: int, *, refuse_reused: bool = False) -> None:
+        """Mark a sequence number as used without running anything: the call was refused on arrival, or
+        (`refuse_reused`) it needs no model and runs at once, so a number used before is SequenceReused."""
         with self._cond:
             state = self._streams.setdefault((tenant, stream), _Stream())
             if seq < state.next_seq or seq in state.waiting:
+                if refuse_reused:
+                    raise SequenceReused(seq, state.next_seq)
                 return
             state.waiting[seq] = Job(tenant, stream, seq, lambda: None, counted=False)
             self._pending += 1
