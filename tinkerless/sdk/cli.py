@@ -71,6 +71,8 @@ _OVERRIDES = {
     "temperature": float,
     "loss": str,
     "algo": str,
+    "max_turns": int,
+    "threads": int,
 }
 
 
