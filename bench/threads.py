@@ -3,9 +3,9 @@
     .venv/bin/python bench/threads.py                       # smollm2; threads 1, 2 and auto; load 0 and 1
     .venv/bin/python bench/threads.py --threads 1,torch --load 1 --seconds 30
 
-Each measurement runs in a fresh process: the Worker (SmolLM2 by default), one warm-up rollout, then
-rollouts of examples/guess_number.py's env (4 tasks x 4 episodes, up to 4 turns of 8 tokens) for
-`--seconds`. "torch" is torch's own default thread count (what the worker used before it chose one);
+Each measurement runs in a fresh process: the Worker (SmolLM2 by default), then
+rollouts of examples/guess_number.py's env (2 tasks x 4 episodes, up to 4 turns of 8 tokens) until
+`--seconds` have passed (at least one rollout). "torch" is torch's own default thread count (what the worker used before it chose one);
 "auto" is the worker's choice (tinkerless/functions/threads.py). `--load N` first starts N other
 processes that each multiply matrices with torch's default threads, like a second training run
 on the same machine. Every process is bounded: a child that overruns `--seconds` by far is killed
@@ -46,20 +46,20 @@ def child(args: argparse.Namespace) -> None:
 
     def rollout(seed: int) -> float:
         request = RolloutRequest(
-            policy="bench", tasks=[{"secret": 3 + seed % 11}, {"secret": 12}, {"secret": 7}, {"secret": 1}], group_size=4,
+            policy="bench", tasks=[{"secret": 3 + seed % 11}, {"secret": 12}], group_size=4,
             sampling=SamplingParams(max_tokens=8, temperature=0.8), limits=EpisodeLimits(max_turns=4, max_episode_tokens=256),
             seed=seed, env=pack_code(example.GuessNumber), reward=pack_code(example.closeness),
         )
         return worker.rollout(request).stats["sampled_tokens"]
 
-    rollout(0)  # warm-up
-    tokens, started, seed = 0.0, time.perf_counter(), 1
+    # No warm-up: on a CPU the first rollout costs what the others do, and a loaded machine may finish only one.
+    tokens, started, seed = 0.0, time.perf_counter(), 0
     while time.perf_counter() - started < args.seconds:
         tokens += rollout(seed)
         seed += 1
         elapsed = time.perf_counter() - started
         print(json.dumps({"threads": worker.threads.threads, "why": worker.threads.reason, "torch_default": torch_default,
-                          "tokens": tokens, "seconds": elapsed, "rollouts": seed - 1}), flush=True)
+                          "tokens": tokens, "seconds": elapsed, "rollouts": seed}), flush=True)
 
 
 def loader() -> None:
@@ -78,18 +78,24 @@ def measure(args: argparse.Namespace, setting: str, load: int) -> dict:
         command = [sys.executable, __file__, "--child", "--threads", setting, "--model", args.model, "--seconds", str(args.seconds)]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("OMP_NUM_THREADS", None)
+        limit = args.seconds * 3 + 90  # model load + one rollout that overran --seconds
+        started = time.perf_counter()
         try:
-            out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.seconds * 4 + 120).stdout
+            out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=limit).stdout
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        child_s = time.perf_counter() - started
         lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     finally:
         for process in loaders:
             process.kill()
             process.wait()
-    last = lines[-1] if lines else {"tokens": 0, "seconds": float("nan"), "rollouts": 0}
+    if not lines:  # not one rollout finished in time: say so instead of a number
+        return {"setting": setting, "load_procs": load, "loadavg_1m": round(load_before, 2),
+                "no_rollout_finished_within_s": round(child_s, 1), "tokens_per_s": None}
+    last = lines[-1]
     return {"setting": setting, "load_procs": load, "loadavg_1m": round(load_before, 2), **last,
-            "tokens_per_s": round(last["tokens"] / last["seconds"], 2) if last["seconds"] else 0.0}
+            "tokens_per_s": round(last["tokens"] / last["seconds"], 2)}
 
 
 def main() -> None:
@@ -97,7 +103,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--threads", default="1,2,torch,auto", help="comma list of N, 'torch' (torch's default), 'auto'")
     parser.add_argument("--load", default="0,1", help="comma list: how many busy processes run beside the worker")
-    parser.add_argument("--seconds", type=float, default=40.0, help="measured seconds per setting (after a warm-up)")
+    parser.add_argument("--seconds", type=float, default=40.0, help="measured seconds per setting (at least one rollout)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--loader", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
