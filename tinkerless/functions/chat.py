@@ -27,6 +27,7 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self._after_reply = self._probe_after_reply() if self.has_template else ""
+        self.template_closes_turns = False  # set by _end_of_turn: the template itself writes the closing token
         # The closing token of an assistant turn and every id that ends a sampled turn (the sampler's stop ids).
         self.end_of_turn_id, self.eos_token_ids = self._end_of_turn(generation_config)
         self._observation_prefix, self._observation_suffix = self._observation_frame()
@@ -85,8 +86,7 @@ class ChatFormat:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in configured:
             configured.append(tokenizer.eos_token_id)
         template_token = _leading_special_token(tokenizer, self._after_reply) if self.has_template else None
-        # True when the template itself writes the closing token (then a cut turn gets it inserted).
-        self.template_closes_turns = template_token is not None
+        self.template_closes_turns = template_token is not None  # then a cut turn gets the token inserted
         if template_token is not None:
             end_of_turn = tokenizer.convert_tokens_to_ids(template_token)
             opening = self._turn_opening_ids()

@@ -31,6 +31,7 @@ from tinkerless.functions.engine import TransformersEngine
 from tinkerless.functions.multi_agent_loop import run_games
 from tinkerless.functions.policy_state import check_weights_fit, parse_policy_state, peft_config, reinit_adapter
 from tinkerless.functions.models import load_model, resolve_model
+from tinkerless.functions.threads import apply_threads, choose_threads
 from tinkerless.wire import decode_message, encode_message, unpack_code
 from tinkerless.wire.code import CodeBlob
 from tinkerless.wire.validate import validate
@@ -99,8 +100,12 @@ class Worker:
         engine: str = "auto",
         micro_batch_size: int = 16,
         max_batch_size: int = 64,
+        threads: int | None = None,
     ):
         self.model_name = model
+        # Before any torch work: the default thread count oversubscribes a loaded or restricted CPU.
+        self.threads = choose_threads(threads)
+        apply_threads(self.threads)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.base_model, self.tokenizer = load_model(model, device=self.device)
         self.model: Any = self.base_model  # becomes a PeftModel with the first policy
@@ -183,6 +188,7 @@ class Worker:
             "device": self.device,
             "device_name": self.device_name,
             "engine": self.engine.name,
+            "threads": self.threads.threads,
             # A copy first: a server answers info while another thread may be creating a policy.
             "policies": {name: p.version for name, p in self.policies.copy().items()},
         }

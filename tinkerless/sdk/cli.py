@@ -82,6 +82,7 @@ _OVERRIDES = {
     "algo": str,
     "engine": str,
     "transcripts_per_step": int,
+    "threads": int,
 }
 
 _EPILOG = """\

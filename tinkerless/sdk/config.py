@@ -72,6 +72,7 @@ class TrainConfig:
     seed: int = 0
     backend: str = "local"
     engine: str = "auto"  # auto | transformers | vllm (auto picks vLLM when it and a GPU are present)
+    threads: int | None = None  # local CPU threads; None: OMP_NUM_THREADS, else free usable cores (docs/threads.md)
     storage: str = "."
     # fsspec options for `storage`, e.g. {"client_kwargs": {"endpoint_url": "https://<acct>.r2.cloudflarestorage.com"}};
     # kept out of the saved run state, since they may hold credentials.
@@ -95,9 +96,9 @@ class TrainConfig:
             raise ConfigError(f"unknown loss {self.loss!r}", hint=f"one of {', '.join(LOSS_NAMES)}")
         if self.on_env_error not in ("skip", "raise"):
             raise ConfigError(f"on_env_error must be 'skip' or 'raise', got {self.on_env_error!r}")
-        for name in ("steps", "batch_size", "group_size", "max_tokens", "max_turns", "checkpoint_every", "lora_rank"):
+        for name in ("steps", "batch_size", "group_size", "max_tokens", "max_turns", "threads", "checkpoint_every", "lora_rank"):
             value = getattr(self, name)
-            if name == "max_turns" and value is None:
+            if name in ("max_turns", "threads") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ConfigError(f"{name} must be an integer (at least 1), got {value!r}")

@@ -113,7 +113,8 @@ class _Run:
         self.events: list[tuple[int, str, str]] = []  # (step, event, policy): the barrier's observable order
         self.backend = with_usage(
             backend
-            or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size)
+            or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size,
+                            **({"threads": config.threads} if config.backend == "local" and config.threads else {}))
         )
         try:
             # The run's state and checkpoints: in `storage`, or on the server the backend talks to.
