@@ -1,6 +1,6 @@
 """One tenant floods the server with maximal requests; how long do another tenant's small calls take?
 
-    .venv/bin/python bench/flood.py [--seconds 60] [--flooders 4] [--slice-seconds 0.05]
+    .venv/bin/python bench/flood.py [--seconds 60] [--flooders 4] [--slice-seconds 0.05] [--torch-threads N]
 
 Starts `tinkerless serve` (a subprocess, auth on, two tenants, the tiny random model) on
 127.0.0.1 with its default per-request limits. Tenant "flood" runs `--flooders` threads,
@@ -11,6 +11,8 @@ early). Once the first one is running, tenant "small" makes small calls in a loo
 Prints each kind's count and p50/p99/max latency (a call still unanswered when the time is
 up counts as lasting until then, marked "+"). The server is stopped at the end: bounded in
 time whatever the flood's backlog. `--slice-seconds 1e9` shows the server without slicing.
+`--torch-threads N` sets the server's OMP_NUM_THREADS (torch's intra-op threads): on a CPU
+shared with other busy processes, 1 avoids threads waiting on each other at every op.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(model: str, storage: str, port: int, slice_seconds: float) -> subprocess.Popen:
+def start_server(model: str, storage: str, port: int, slice_seconds: float, threads: int | None) -> subprocess.Popen:
     command = [sys.executable, "-c", "from tinkerless.sdk.cli import main; raise SystemExit(main())", "serve",
                "--model", model, "--storage", storage, "--port", str(port), "--slice-seconds", str(slice_seconds)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -71,6 +75,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="how long the small tenant measures")
     parser.add_argument("--flooders", type=int, default=4, help="the flooding tenant's concurrent requests")
     parser.add_argument("--slice-seconds", type=float, default=0.05)
+    parser.add_argument("--torch-threads", type=int, default=None, help="the server's OMP_NUM_THREADS (default: torch's)")
     args = parser.parse_args()
     import tinker
     from tinker import types
@@ -82,7 +87,7 @@ def main() -> None:
         flood_key, small_key = keys.create("flood"), keys.create("small")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = start_server(model, f"{tmp}/storage", port, args.slice_seconds)
+        server = start_server(model, f"{tmp}/storage", port, args.slice_seconds, args.torch_threads)
         stop = threading.Event()
         flood_counts = {"sent": 0, "done": 0}
         try:
@@ -142,7 +147,8 @@ def main() -> None:
 
     print(f"flood: {args.flooders} concurrent Tinker asample requests of num_samples={limits.max_samples}, "
           f"max_tokens={limits.max_tokens}, stop=[] ({flood_counts['sent']} sent, {flood_counts['done']} finished); "
-          f"slice_seconds={args.slice_seconds}; measured {args.seconds:.0f} s")
+          f"slice_seconds={args.slice_seconds}, torch threads={args.torch_threads or 'default'}; "
+          f"measured {args.seconds:.0f} s")
     print(f"{'small call':<36} {'n':>5} {'p50 s':>8} {'p99 s':>8} {'max s':>8}")
     for name, values in latencies.items():
         if values:
