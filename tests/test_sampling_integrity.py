@@ -212,3 +212,16 @@ def test_tinker_sample_returns_only_drawn_tokens_with_true_logprobs(tinker_serve
     if stop == []:
         assert all(s.stop_reason == "length" and len(s.tokens) == 20 for s in result.sequences)
         assert any(t in END_OF_TURN for s in result.sequences for t in s.tokens)
+
+
+def test_the_sampler_draws_from_the_filtered_distribution(eos_worker):
+    """Inverse-CDF picks follow the probabilities, and a token of zero probability is never drawn."""
+    rows = 4000
+    job = eos_worker.engine.start([[1]] * rows, SamplingParams(max_tokens=1, temperature=1.0), seed=0)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    picks = job._sample(probs.expand(rows, -1).clone())
+    counts = torch.bincount(picks, minlength=len(probs)).float()
+    assert counts[probs == 0].sum() == 0
+    expected = probs * rows
+    sigma = (rows * probs * (1 - probs)).sqrt()
+    assert ((counts - expected).abs() <= 5 * sigma + 1e-9).all(), counts

@@ -140,17 +140,16 @@ class GenerationJob:
             scores = logits / self.sampling.temperature
             for warper in self._warpers:
                 scores = warper(None, scores)
-            probs = torch.softmax(scores, dim=-1)
-            picks = [
-                int(torch.multinomial(probs[b], 1, generator=self.rows[r].generator)) for b, r in enumerate(self._active)
-            ]
+            picks = self._sample(torch.softmax(scores, dim=-1))
         else:
-            picks = logits.argmax(dim=-1).tolist()
+            picks = logits.argmax(dim=-1)
+        picked_logprobs = logprobs.gather(1, picks[:, None]).squeeze(1).tolist()
+        picks = picks.tolist()
         keep: list[int] = []
         for b, r in enumerate(self._active):
             row, token = self.rows[r], picks[b]
             row.tokens.append(token)
-            row.logprobs.append(float(logprobs[b, token]))
+            row.logprobs.append(picked_logprobs[b])
             if token in self.stop_ids:
                 row.stop_reason = "stop"
             elif len(row.tokens) >= self.sampling.max_tokens:
@@ -170,6 +169,18 @@ class GenerationJob:
         self._input = torch.tensor(picks, dtype=torch.long, device=self.device)[:, None]
         self._attention = torch.cat([self._attention, self._attention.new_ones((len(keep), 1))], dim=1)
         self._positions = self._positions[:, -1:] + 1
+
+    def _sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per active row by inverse CDF, with one uniform draw from each row's own generator
+        (a vectorized pick: per-row `torch.multinomial` calls cost more than the tiny model's forward)."""
+        uniforms = torch.stack(
+            [torch.rand((), generator=self.rows[r].generator, device=self.device) for r in self._active]
+        )
+        cdf = probs.cumsum(dim=-1)
+        # right=True: the first token whose cumulative mass exceeds u, so a zero-probability token
+        # (filtered by top_k / top_p) is never picked; u < total mass, clamped against rounding.
+        targets = torch.minimum(uniforms * cdf[:, -1], cdf[:, -1] * (1 - 1e-6))
+        return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
 
     def results(self) -> list[Generation]:
         return [Generation(r.tokens, r.logprobs, r.stop_reason or "length") for r in self.rows]

@@ -11,7 +11,7 @@ import math
 from typing import Callable
 
 from tinkerless.errors import ConfigError
-from tinkerless.functions.engine import Generation
+from tinkerless.functions.engine import Generation, row_seed
 from tinkerless.wire.messages import SamplingParams
 
 
@@ -71,19 +71,24 @@ class VLLMEngine:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = VSamplingParams(
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else -1,
-            seed=seed,
-            logprobs=0,  # the sampled token's log-prob
-            **(
-                {}
-                if sampling.stop_token_ids is None
-                else {"stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": True}
-            ),
-        )
+        # One seed per row, as the transformers engine does: a request's repeated prompts (its
+        # num_samples) must not all draw the same sequence from one shared seed.
+        params = [
+            VSamplingParams(
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                seed=row_seed(seed, index),
+                logprobs=0,  # the sampled token's log-prob
+                **(
+                    {}
+                    if sampling.stop_token_ids is None
+                    else {"stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": True}
+                ),
+            )
+            for index in range(len(prompts))
+        ]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts],
             params,

@@ -251,9 +251,12 @@ class ServerStats:
             "# HELP tinkerless_queue_depth Calls waiting for the model.",
             "# TYPE tinkerless_queue_depth gauge",
             f"tinkerless_queue_depth {self.scheduler.pending}",
-            "# HELP tinkerless_in_flight Calls running on the model.",
+            "# HELP tinkerless_in_flight Calls started and not finished (one runs; others paused between slices).",
             "# TYPE tinkerless_in_flight gauge",
             f"tinkerless_in_flight {self.scheduler.in_flight}",
+            "# HELP tinkerless_slices_total Times a generation paused so that another tenant's call could run.",
+            "# TYPE tinkerless_slices_total counter",
+            f"tinkerless_slices_total {self.scheduler.slices}",
             "# HELP tinkerless_requests_total Calls answered, by function and HTTP status.",
             "# TYPE tinkerless_requests_total counter",
         ]
