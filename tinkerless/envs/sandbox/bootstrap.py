@@ -26,8 +26,6 @@ import sys
 
 def _install(config):
     import _thread
-    import mmap
-    import pathlib
     import posix
     import _posixsubprocess
 
@@ -43,11 +41,14 @@ def _install(config):
     lstat, readlink, getcwd, getpid = posix.lstat, posix.readlink, posix.getcwd, posix.getpid
     getpgrp, getpgid, write_fd, hard_exit = posix.getpgrp, posix.getpgid, posix.write, posix._exit
     str_join, bytes_join, int_add = "".join, b"".join, int.__add__
-    path_types = frozenset([pathlib.PurePath, pathlib.PurePosixPath, pathlib.Path, pathlib.PosixPath])
-    path_fspath, path_str = pathlib.PurePath.__fspath__, pathlib.PurePath.__str__
+    modules = sys.modules
     no_dir_fd = (None, -1, -100)  # -100 is AT_FDCWD
     violations = [0]
-    slots = mmap.mmap(-1, 8) if max_processes > 0 else None  # shared with forked children
+    slots = None
+    if max_processes > 0:
+        import mmap
+
+        slots = mmap.mmap(-1, 8)  # shared with forked children
 
     class SandboxViolation(PermissionError):
         pass
@@ -76,8 +77,11 @@ def _install(config):
             return bytes_join((path,)).decode("utf-8", "surrogateescape")
         if isinstance(path, int):
             return "/proc/self/fd/%d" % int_add(path, 0)
-        if kind in path_types and kind.__fspath__ is path_fspath and kind.__str__ is path_str:
-            return as_text(path_str(path))
+        # pathlib is imported lazily (it costs ~10 ms of every run's start): a Path can only exist once it is.
+        pathlib = modules.get("pathlib")
+        if pathlib is not None and kind in (pathlib.PurePath, pathlib.PurePosixPath, pathlib.Path, pathlib.PosixPath):
+            if kind.__fspath__ is pathlib.PurePath.__fspath__ and kind.__str__ is pathlib.PurePath.__str__:
+                return as_text(pathlib.PurePath.__str__(path))
         # Another PathLike could answer differently when the real call converts it again.
         deny("paths of type %s are not allowed; pass a str" % kind.__name__)
 
@@ -312,7 +316,8 @@ def _install(config):
     return SandboxViolation
 
 
-def _drop_privileges(config):
+def _confine(config):
+    """Steps 1 and 2: drop root (bwrap started as root), then set this uid's resource limits."""
     import posix
     import resource
 
@@ -325,6 +330,15 @@ def _drop_privileges(config):
         if 0 in posix.getresuid() or 0 in posix.getresgid():
             posix.write(2, b"sandbox: could not drop root; refusing to run user code\n")
             posix._exit(125)
+    # Set here rather than in a preexec_fn: Popen can then spawn bwrap with vfork, which stays cheap
+    # in a parent that holds a large model. Lowering a limit needs no privilege; raising it back
+    # needs CAP_SYS_RESOURCE, which nothing in the sandbox has.
+    for name, soft, hard in config.get("rlimits", ()):
+        which = getattr(resource, name)
+        _, current = resource.getrlimit(which)
+        if current != resource.RLIM_INFINITY:
+            soft, hard = min(soft, current), min(hard, current)
+        resource.setrlimit(which, (soft, hard))
     if config.get("nproc") is not None:
         # RLIMIT_NPROC counts every task of this uid; in our own PID namespace /proc shows exactly those.
         uid, own = posix.getuid(), 0
@@ -339,22 +353,28 @@ def _drop_privileges(config):
         resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
 
 
-def _main():
-    import json
+def _show_exception(exc, source, with_traceback):
+    # Imported only when there is something to show: linecache and traceback cost ~10 ms of every start.
     import linecache
-    import posix
     import traceback
 
-    config = json.loads(sys.argv[1])
-    _drop_privileges(config)
+    linecache.cache["main.py"] = (len(source), None, source.splitlines(True), "main.py")
+    traceback.print_exception(exc.__class__, exc, exc.__traceback__ if with_traceback else None)
+
+
+def _main():
+    import posix
+
+    # The parent passes a Python literal (str, int, bool, None, lists): eval with no builtins is quicker than json.
+    config = eval(sys.argv[1], {"__builtins__": {}})
+    _confine(config)
     exit_forbidden, exit_memory, exit_file_size, exit_disk, exit_processes, exit_open_files = config["exit_codes"]
     with open(config["code"], encoding="utf-8", errors="surrogatepass") as f:
         source = f.read()
-    linecache.cache["main.py"] = (len(source), None, source.splitlines(True), "main.py")
     try:
         code = compile(source, "main.py", "exec")
     except (SyntaxError, ValueError) as exc:
-        traceback.print_exception(exc.__class__, exc, None)
+        _show_exception(exc, source, False)
         posix._exit(1)
     violation = _install(config) if config["audit_hook"] else None
     sys.argv = ["main.py"]
@@ -364,7 +384,7 @@ def _main():
     main.__file__ = "main.py"
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
-    del config, source
+    del config
     try:
         exec(code, main.__dict__)
     except SystemExit:
@@ -386,7 +406,7 @@ def _main():
             status = exit_open_files
         try:
             _strip_bootstrap(exc)
-            traceback.print_exception(exc.__class__, exc, exc.__traceback__)
+            _show_exception(exc, source, True)
         except BaseException:
             posix.write(2, ("%s\n" % exc.__class__.__name__).encode())
         try:

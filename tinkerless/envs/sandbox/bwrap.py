@@ -16,9 +16,9 @@ Each call gets, from the kernel:
   and its dependencies);
 - a size-capped tmpfs at /tmp as work dir and HOME, gone with the mount namespace;
 - the seccomp filter of `seccomp_filter.py`;
-- RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE set before bwrap
-  starts (inherited by everything inside) and RLIMIT_NPROC set by the bootstrap for
-  the sandbox's own uid; output bounded by the parent.
+- RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE and RLIMIT_NPROC
+  (for the sandbox's own uid), set by the bootstrap before any user code and
+  inherited by everything it starts; output bounded by the parent.
 
 The audit-hook layer of `bootstrap.py` runs inside as an extra layer with readable refusals.
 """
@@ -26,10 +26,8 @@ The audit-hook layer of `bootstrap.py` runs inside as an extra layer with readab
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -39,7 +37,7 @@ from typing import Iterator
 
 from tinkerless.envs.sandbox.bootstrap import BOOTSTRAP
 from tinkerless.envs.sandbox.limits import SandboxLimits, SandboxResult, SandboxUnavailable
-from tinkerless.envs.sandbox.process_unsafe import rlimit_settings
+from tinkerless.envs.sandbox.limits import rlimit_values
 from tinkerless.envs.sandbox.seccomp_filter import compiled_filter
 from tinkerless.envs.sandbox.supervise import supervise
 from tinkerless.envs.sandbox.uid_pool import lease_uid
@@ -96,18 +94,12 @@ def _run(code: str, *, limits: SandboxLimits, stdin: str, config: dict, profile:
                 "read_roots": list(_layout(profile).read_roots),
                 "drop_to": [uid, uid] if as_root else None,
                 "nproc": limits.max_processes,
+                "rlimits": rlimit_values(limits),
             }
             argv = _argv(profile, limits, as_root, seccomp_fd, code_fd, config)
-            settings = rlimit_settings(limits)
-            setrlimit = resource.setrlimit
-
-            def preexec() -> None:
-                for which, value in settings:
-                    setrlimit(which, value)
-
             return supervise(
                 argv, kind="bwrap", limits=limits, stdin_fd=stdin_fd, env={"PATH": "/usr/bin:/bin"},
-                pass_fds=(seccomp_fd, code_fd), preexec=preexec, cpu_reported=False,
+                pass_fds=(seccomp_fd, code_fd), cpu_reported=False,
             )
         finally:
             for fd in (seccomp_fd, code_fd, stdin_fd):
@@ -166,7 +158,7 @@ def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: in
         argv += ["--setenv", key, value]
     # -I ignores PYTHONPATH: a profile with python_path runs without -I but keeps -s (no user site) and -E off.
     flags = ["-I"] if not profile.python_path else ["-s", "-P"]
-    argv += ["--", layout.interpreter, *flags, "-S", "-B", "-u", "-X", "utf8", "-c", BOOTSTRAP, json.dumps(config)]
+    argv += ["--", layout.interpreter, *flags, "-S", "-B", "-u", "-X", "utf8", "-c", BOOTSTRAP, repr(config)]
     return argv
 
 
