@@ -32,7 +32,7 @@ def _install(config):
     work = config["work"]
     max_processes = config["max_processes"]
     exit_forbidden = config["exit_codes"][0]
-    read_roots = tuple(config["read_roots"])
+    read_roots = tuple(config["read_roots"] or (sys.prefix + "/lib/python%d.%d" % sys.version_info[:2], "/usr/share/zoneinfo"))
     read_files = frozenset(["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/etc/localtime"])
     write_files = frozenset(["/dev/null"])
     max_violations = 16
@@ -324,9 +324,10 @@ def _confine(config):
     drop_to = config.get("drop_to")
     if drop_to is not None:
         uid, gid = drop_to
-        posix.setgroups([])
-        posix.setresgid(gid, gid, gid)
-        posix.setresuid(uid, uid, uid)
+        if posix.geteuid() == 0:  # (a Modal container may already run unprivileged)
+            posix.setgroups([])
+            posix.setresgid(gid, gid, gid)
+            posix.setresuid(uid, uid, uid)
         if 0 in posix.getresuid() or 0 in posix.getresgid():
             posix.write(2, b"sandbox: could not drop root; refusing to run user code\n")
             posix._exit(125)
@@ -369,8 +370,12 @@ def _main():
     config = eval(sys.argv[1], {"__builtins__": {}})
     _confine(config)
     exit_forbidden, exit_memory, exit_file_size, exit_disk, exit_processes, exit_open_files = config["exit_codes"]
-    with open(config["code"], encoding="utf-8", errors="surrogatepass") as f:
-        source = f.read()
+    if config["code"] is None:  # Modal: the program arrives on stdin ahead of its own input, after its length
+        size = int(sys.stdin.buffer.readline())
+        source = sys.stdin.buffer.read(size).decode("utf-8", "surrogatepass")
+    else:
+        with open(config["code"], encoding="utf-8", errors="surrogatepass") as f:
+            source = f.read()
     try:
         code = compile(source, "main.py", "exec")
     except (SyntaxError, ValueError) as exc:

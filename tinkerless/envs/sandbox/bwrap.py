@@ -40,6 +40,7 @@ from tinkerless.envs.sandbox.limits import SandboxLimits, SandboxResult, Sandbox
 from tinkerless.envs.sandbox.limits import rlimit_values
 from tinkerless.envs.sandbox.seccomp_filter import compiled_filter
 from tinkerless.envs.sandbox.supervise import supervise
+from tinkerless.errors import ConfigError
 from tinkerless.envs.sandbox.uid_pool import lease_uid
 
 WORK_DIR = "/tmp"
@@ -76,6 +77,11 @@ def bwrap_path() -> str:
 
 def run_bwrap(code: str, *, limits: SandboxLimits, stdin: str, config: dict, profile: Profile = TOOL_PROFILE) -> SandboxResult:
     """Run `code` in a fresh bubblewrap sandbox; SandboxUnavailable if bubblewrap cannot run here."""
+    if limits.network:
+        raise ConfigError(
+            "SandboxLimits(network=True) cannot be granted by the bubblewrap sandbox: it has no network at all",
+            hint="use sandbox='modal' for tool code that needs the network",
+        )
     _check_available(profile)
     return _run(code, limits=limits, stdin=stdin, config=config, profile=profile)
 
