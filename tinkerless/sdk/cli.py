@@ -94,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending", type=int, default=1024, help="queued calls before HTTP 429")
     serve.add_argument("--no-auth", action="store_true", help="accept calls without an API key (trusted networks only)")
     serve.add_argument(
+        "--single-user", action="store_true",
+        help="run clients' env/reward code inside the server process instead of a sandbox per tenant (your own server only)",
+    )
+    serve.add_argument(
         "--api-key-env",
         metavar="NAME",
         help="also accept the API key held in environment variable NAME (tenant 'default'); never pass keys as arguments",
@@ -176,7 +180,7 @@ def _serve(args) -> int:
         extra_keys = {key: "default"}
     serve(
         args.host, args.port, model=args.model, storage=args.storage, auth=not args.no_auth, extra_keys=extra_keys,
-        max_request_bytes=args.max_request_bytes, max_pending=args.max_pending,
+        max_request_bytes=args.max_request_bytes, max_pending=args.max_pending, single_user=args.single_user,
     )
     return 0
 

@@ -34,6 +34,7 @@ from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.keys import KeyStore
 from tinkerless.server.replies import error_response, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
+from tinkerless.functions.user_code import tenant_scope
 from tinkerless.server.tenancy import scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK
@@ -119,7 +120,8 @@ def create_app(
 
         def run() -> tuple[bytes, float]:
             started = time.perf_counter()
-            return worker.handle(method, body), time.perf_counter() - started
+            with tenant_scope(tenant):  # a tenant's env/reward code runs in that tenant's sandbox (user_code.py)
+                return worker.handle(method, body), time.perf_counter() - started
 
         try:
             future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq)
@@ -252,11 +254,14 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_pending: int = 1024,
     log_level: str = "info",
+    single_user: bool = False,
     **worker_options: Any,
 ) -> None:
     """Load `model` into a Worker and serve it until interrupted (binds to localhost unless told otherwise).
 
     With `auth` (the default), calls need an API key issued into `storage` by `tinkerless keys create`.
+    Clients' env/reward/agent code runs in a sandboxed process per tenant (`user_code.py`), never in
+    this one, unless `single_user` (one's own server, e.g. `sky launch` of one's own cluster).
     """
     import uvicorn
 
@@ -264,6 +269,12 @@ def serve(
     from tinkerless.storage import ObjectStore
 
     keys = KeyStore(ObjectStore(storage or "."), extra_keys=extra_keys) if auth else None
+    if not single_user:
+        from tinkerless.functions.user_code import UserCodeHosts
+
+        local_storage = storage or "."
+        hidden = (local_storage,) if "://" not in local_storage else ()  # tenants' code must not see it
+        worker_options.setdefault("user_code_hosts", UserCodeHosts(hide=hidden))
     app = create_app(
         Worker(model, **worker_options),
         max_request_bytes=max_request_bytes,

@@ -25,6 +25,7 @@ The audit-hook layer of `bootstrap.py` runs inside as an extra layer with readab
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -36,8 +37,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from tinkerless.envs.sandbox.bootstrap import BOOTSTRAP
-from tinkerless.envs.sandbox.limits import SandboxLimits, SandboxResult, SandboxUnavailable
-from tinkerless.envs.sandbox.limits import rlimit_values
+from tinkerless.envs.sandbox.limits import BOOTSTRAP_EXIT_CODES, SandboxLimits, SandboxResult, SandboxUnavailable, rlimit_values
 from tinkerless.envs.sandbox.seccomp_filter import compiled_filter
 from tinkerless.envs.sandbox.supervise import supervise
 from tinkerless.errors import ConfigError
@@ -110,6 +110,61 @@ def _run(code: str, *, limits: SandboxLimits, stdin: str, config: dict, profile:
         finally:
             for fd in (seccomp_fd, code_fd, stdin_fd):
                 os.close(fd)
+
+
+class SpawnedSandbox:
+    """A long-lived process in a bubblewrap sandbox (a tenant's code host): the Popen, and the uid it holds."""
+
+    def __init__(self, proc: subprocess.Popen, lease: contextlib.ExitStack):
+        self.proc = proc
+        self._lease = lease
+
+    def kill(self) -> None:
+        """SIGKILL bwrap (its PID namespace dies with it), reap it, give its uid back."""
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._lease.close()
+
+
+def spawn(code: str, *, limits: SandboxLimits, profile: Profile, pass_fds: tuple[int, ...], stderr: int) -> SpawnedSandbox:
+    """Start `code` in a bubblewrap sandbox and return at once; the caller talks to it over `pass_fds`.
+
+    Same confinement as `run_bwrap` (limits too, set by the bootstrap), without the audit hook;
+    the caller bounds each exchange in time and kills the sandbox when done.
+    """
+    _check_available(profile)
+    as_root = os.geteuid() == 0
+    lease = contextlib.ExitStack()
+    uid = lease.enter_context(_leased_uid(as_root))
+    seccomp_fd = _memfd("seccomp", compiled_filter())
+    code_fd = _memfd("code", code.encode("utf-8", "surrogatepass"))
+    try:
+        config = {
+            "max_processes": limits.max_processes,
+            "exit_codes": sorted(BOOTSTRAP_EXIT_CODES),
+            "audit_hook": False,
+            "work": WORK_DIR,
+            "code": CODE_PATH,
+            "read_roots": list(_layout(profile).read_roots),
+            "drop_to": [uid, uid] if as_root else None,
+            "nproc": limits.max_processes,
+            "rlimits": rlimit_values(limits),
+        }
+        argv = _argv(profile, limits, as_root, seccomp_fd, code_fd, config)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env={"PATH": "/usr/bin:/bin"},
+            pass_fds=(seccomp_fd, code_fd, *pass_fds), start_new_session=True,
+        )
+    except BaseException:
+        lease.close()
+        raise
+    finally:
+        os.close(seccomp_fd)
+        os.close(code_fd)
+    return SpawnedSandbox(proc, lease)
 
 
 def _leased_uid(as_root: bool):
@@ -202,7 +257,8 @@ def _layout(profile: Profile) -> _Layout:
     hidden = set(profile.hide) | {p for p in _site_packages() if any(p.startswith(d + "/") for d in stdlib_dirs)}
     hidden -= {os.path.realpath(p) for p in profile.python_path}
     for path in sorted(hidden):
-        if os.path.isdir(path):
+        # Only what a mount would otherwise show (e.g. a server's storage inside a bound directory).
+        if os.path.isdir(path) and any(path.startswith(b.rstrip("/") + "/") for b in binds):
             mounts += ["--tmpfs", path, "--remount-ro", path]
     read_roots = tuple(sorted(stdlib_dirs | set(ZONEINFO) | {os.path.realpath(p) for p in (*profile.read_only, *profile.python_path)}))
     return _Layout(interpreter=interpreter, mounts=mounts, read_roots=read_roots)
@@ -291,9 +347,7 @@ def _check_available(profile: Profile) -> None:
 
 
 def _probe_config() -> dict:
-    from tinkerless.envs.sandbox.limits import BOOTSTRAP_EXIT_CODES
-
     return {"max_processes": 0, "exit_codes": sorted(BOOTSTRAP_EXIT_CODES), "audit_hook": False}
 
 
-__all__ = ["INSTALL_HINT", "Profile", "TOOL_PROFILE", "bwrap_path", "run_bwrap"]
+__all__ = ["INSTALL_HINT", "Profile", "SpawnedSandbox", "TOOL_PROFILE", "bwrap_path", "run_bwrap", "spawn"]
