@@ -129,3 +129,94 @@ def test_single_user_server_keeps_user_code_in_process(tiny_model, tmp_path, sha
         result = run_as(tiny_model, url, bob, tmp_path / "bob", prying_reward_for(str(server), os.getpid()), "pry-run")
     errors = recorded_errors(result)
     assert token in errors and "GOT" in errors
+
+
+# ---------------------------------------------------------------------------
+# the same rollouts, hosted or in-process: the sandbox changes where code runs, not what it computes
+
+
+class CountdownEnv:
+    """Multi-turn: replies with how many turns are left; rewards the length of each reply."""
+
+    def system_prompt(self) -> str:
+        return "Count down."
+
+    def reset(self, start: int) -> str:
+        self.left = start
+        return f"start at {start}"
+
+    def step(self, action: str):
+        from tinkerless.envs.base import StepResult
+
+        self.left -= 1
+        return StepResult(None if self.left <= 0 else f"{self.left} left", reward=len(action) / 10, done=self.left <= 0, info={"left": self.left})
+
+
+def reply_length(transcript, task) -> float:
+    return float(len(transcript[-1]["content"]) % 5)
+
+
+def scripted(env, role, rng):
+    return f"{role}-{rng.randint(0, 99)}-after-{len(env.moves())}"
+
+
+class RelayEnv:
+    """Three roles act in order c, a, b; the last of each round wins 1 from the first."""
+
+    agents = ("a", "b", "c")
+    order = ("c", "a", "b")
+
+    def reset(self, rounds: int = 2):
+        self.rounds, self.log = rounds, []
+
+    def moves(self):
+        return list(self.log)
+
+    def turn(self):
+        return None if len(self.log) >= self.rounds * 3 else self.order[len(self.log) % 3]
+
+    def observation(self, agent):
+        return f"you are {agent}; so far: {' | '.join(text for _, text in self.log)[-200:]}"
+
+    def step(self, agent, action):
+        from tinkerless.envs.base import MultiStepResult
+
+        self.log.append((agent, action))
+        done = len(self.log) >= self.rounds * 3
+        rewards = {self.order[2]: 1.0, self.order[0]: -1.0} if len(self.log) % 3 == 0 else {}
+        return MultiStepResult(rewards=rewards, done=done, info={"winner": self.order[2]} if done else {})
+
+
+def episodes_equal(first, second) -> None:
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        assert (a.status, a.reward, a.turn_rewards, a.transcript, a.info, a.error) == (b.status, b.reward, b.turn_rewards, b.transcript, b.info, b.error)
+        assert a.tokens.tolist() == b.tokens.tolist() and a.mask.tolist() == b.mask.tolist()
+
+
+def test_hosted_rollouts_equal_in_process_ones(worker):
+    from tinkerless.functions.user_code import tenant_scope
+    from tinkerless.wire.messages import EpisodeLimits, MultiAgentRolloutRequest, RolloutRequest, SamplingParams, Seat
+
+    single = RolloutRequest(
+        policy="base", tasks=[{"start": 2}, {"start": 3}], group_size=2, env=pack_code(CountdownEnv), reward=pack_code(reply_length),
+        sampling=SamplingParams(max_tokens=6, temperature=1.0), limits=EpisodeLimits(max_turns=4, max_episode_tokens=512), seed=3,
+    )
+    multi = MultiAgentRolloutRequest(  # a scripted seat: the opponent gets the hosted env and the caller's rng
+        tasks=[{"rounds": 2}], group_size=2, env=pack_code(RelayEnv),
+        seats={"a": Seat("base"), "b": Seat(opponent=pack_code(scripted), trainable=False), "c": Seat("base")},
+        sampling=SamplingParams(max_tokens=5, temperature=1.0), limits=EpisodeLimits(max_turns=4, max_episode_tokens=1024),
+        seed=5, protocol_timeout=60.0,
+    )
+    local_single, local_multi = worker.rollout(single).episodes, worker.rollout_multi(multi).episodes
+    hosts = UserCodeHosts()
+    worker.user_code_hosts = hosts
+    try:
+        with tenant_scope("carol"):
+            hosted_single, hosted_multi = worker.rollout(single).episodes, worker.rollout_multi(multi).episodes
+    finally:
+        worker.user_code_hosts = None
+        hosts.close()
+    assert all(e.status == "ok" for e in local_single + local_multi)
+    episodes_equal(local_single, hosted_single)
+    episodes_equal(local_multi, hosted_multi)

@@ -1,0 +1,78 @@
+"""The main job and guess_number through a shared `tinkerless serve`, tenant code sandboxed vs in-process.
+
+    PYTHONPATH=. .venv/bin/python bench/tenant_code_overhead.py [--steps 3] [--model smollm2] [--rounds 2]
+
+Two servers on 127.0.0.1 with the same model: one multi-tenant (each tenant's env and
+reward run in its bubblewrap-sandboxed host, `tinkerless/functions/user_code.py`), one
+`--single-user` (user code in the server process). Each example runs `--steps` steps as
+a tenant with an API key on each server, alternating, `--rounds` times; the script
+prints the median seconds per step, the ratio sandboxed/in-process and the rewards (the
+same seeds give the same rewards either way: the sandbox changes where code runs, not
+what it computes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import tinkerless  # noqa: E402
+from tinkerless.functions.user_code import UserCodeHosts  # noqa: E402
+from tinkerless.functions.worker import Worker  # noqa: E402
+from tinkerless.sdk.cli import load_config  # noqa: E402
+from tinkerless.sdk.http_backend import HTTPBackend  # noqa: E402
+from tinkerless.server import create_app, serve_in_thread  # noqa: E402
+from tinkerless.server.keys import KeyStore  # noqa: E402
+from tinkerless.storage import ObjectStore  # noqa: E402
+
+EXAMPLES = {"main job (arithmetic)": REPO / "examples/arithmetic.py", "guess_number": REPO / "examples/guess_number.py"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model", default="smollm2")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tinkerless-tenant-bench-"))
+    configs = {name: load_config(str(path)).replace(model=args.model, steps=args.steps, progress=False) for name, path in EXAMPLES.items()}
+    hosts = UserCodeHosts(hide=(str(work),))
+    servers = {}
+    for kind, worker in (("sandboxed", Worker(args.model, user_code_hosts=hosts)), ("in-process", Worker(args.model))):
+        storage = work / kind
+        key = KeyStore(ObjectStore(str(storage))).create("bench")
+        servers[kind] = (create_app(worker, keys=KeyStore(ObjectStore(str(storage))), storage=str(storage)), key)
+    seconds: dict[tuple[str, str], list[float]] = {}
+    rewards: dict[tuple[str, str], list[float]] = {}
+    with serve_in_thread(servers["sandboxed"][0]) as sandboxed_url, serve_in_thread(servers["in-process"][0]) as local_url:
+        urls = {"sandboxed": sandboxed_url, "in-process": local_url}
+        for round_index in range(args.rounds):
+            for name, config in configs.items():
+                for kind in ("sandboxed", "in-process"):
+                    started = time.perf_counter()
+                    result = tinkerless.train(
+                        config, backend=HTTPBackend(urls[kind], api_key=servers[kind][1]),
+                        storage=str(work / f"client-{kind}-{round_index}"), run_id=f"{name.split()[0]}-{round_index}",
+                    )
+                    elapsed = time.perf_counter() - started
+                    seconds.setdefault((name, kind), []).append(elapsed / args.steps)
+                    rewards[(name, kind)] = [round(r["reward_mean"], 3) for r in result.metrics]
+    hosts.close()
+    print(f"{args.steps} steps × {args.rounds} rounds per cell, model {args.model}")
+    print("| example | in-process s/step | sandboxed s/step | ratio | rewards in-process | rewards sandboxed |")
+    print("|---|---|---|---|---|---|")
+    for name in configs:
+        local = statistics.median(seconds[(name, "in-process")])
+        boxed = statistics.median(seconds[(name, "sandboxed")])
+        print(f"| {name} | {local:.2f} | {boxed:.2f} | {boxed / local:.3f} | {rewards[(name, 'in-process')]} | {rewards[(name, 'sandboxed')]} |")
+
+
+if __name__ == "__main__":
+    main()
