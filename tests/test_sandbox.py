@@ -545,3 +545,28 @@ def test_modal_sandbox_without_modal_access_refuses(monkeypatch):
 def test_bubblewrap_never_grants_network():
     with pytest.raises(ConfigError, match="no network"):
         run_python("print(1)", limits=SandboxLimits(network=True))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"), reason="needs root to become another user")
+def test_a_non_root_worker_gets_the_same_sandbox_through_a_user_namespace():
+    """As root the interpreter drops to a leased uid; as anyone else bwrap maps uid 65534 in a user namespace.
+    Run the second path for real: Debian's python3 as user nobody, with this checkout on its path."""
+    import subprocess
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from tinkerless.envs.sandbox import run_python, SandboxLimits\n"
+        "r = run_python('import os; print(os.getuid(), os.getpid(), sorted(os.listdir(\"/\")))')\n"
+        "print(r.reason, r.stdout.strip())\n"
+        "print(run_python('import os\\nos.fork()', audit_hook=False).reason)\n"
+        "print(run_python('import os\\nos.fork()\\nprint(1)', limits=SandboxLimits(max_processes=1), audit_hook=False).stdout.count('1'))\n"
+    ) % checkout
+    done = subprocess.run(
+        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3", "-c", script],
+        capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, cwd="/tmp",
+    )
+    assert done.returncode == 0, done.stderr
+    first, fork_denied, fork_allowed = done.stdout.splitlines()
+    assert first.startswith("ok 65534 2 ") and "'root'" not in first and "'home'" not in first
+    assert fork_denied == "process_limit" and fork_allowed == "2"  # parent and child both printed
