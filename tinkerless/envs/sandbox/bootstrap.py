@@ -316,10 +316,9 @@ def _install(config):
     return SandboxViolation
 
 
-def _confine(config):
-    """Steps 1 and 2: drop root (bwrap started as root), then set this uid's resource limits."""
+def _drop(config):
+    """Step 1: drop root (bwrap started as root) to this sandbox's own uid, before anything else."""
     import posix
-    import resource
 
     drop_to = config.get("drop_to")
     if drop_to is not None:
@@ -331,6 +330,12 @@ def _confine(config):
         if 0 in posix.getresuid() or 0 in posix.getresgid():
             posix.write(2, b"sandbox: could not drop root; refusing to run user code\n")
             posix._exit(125)
+
+
+def _limit(config):
+    import posix
+    import resource
+
     # Set here rather than in a preexec_fn: Popen can then spawn bwrap with vfork, which stays cheap
     # in a parent that holds a large model. Lowering a limit needs no privilege; raising it back
     # needs CAP_SYS_RESOURCE, which nothing in the sandbox has.
@@ -363,19 +368,52 @@ def _show_exception(exc, source, with_traceback):
     traceback.print_exception(exc.__class__, exc, exc.__traceback__ if with_traceback else None)
 
 
+def _receive(fd):
+    """Read "<program bytes> <stdin bytes>\\n", the program and its stdin from `fd`; make the stdin fd 0."""
+    import posix
+
+    def read_exactly(size):
+        chunks = []
+        while size:
+            chunk = posix.read(fd, min(size, 1 << 20))
+            if not chunk:
+                posix._exit(124)  # the parent gave up on this sandbox before using it
+            chunks.append(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
+
+    header = b""
+    while not header.endswith(b"\n"):
+        header += read_exactly(1)
+    program_size, stdin_size = (int(x) for x in header.split())
+    source = read_exactly(program_size).decode("utf-8", "surrogatepass")
+    stdin = posix.memfd_create("stdin")
+    data = read_exactly(stdin_size)
+    while data:
+        data = data[posix.write(stdin, data):]
+    posix.lseek(stdin, 0, 0)
+    posix.dup2(stdin, 0)
+    posix.close(stdin)
+    posix.close(fd)
+    return source
+
+
 def _main():
     import posix
 
     # The parent passes a Python literal (str, int, bool, None, lists): eval with no builtins is quicker than json.
     config = eval(sys.argv[1], {"__builtins__": {}})
-    _confine(config)
+    _drop(config)
     exit_forbidden, exit_memory, exit_file_size, exit_disk, exit_processes, exit_open_files = config["exit_codes"]
     if config["code"] is None:  # Modal: the program arrives on stdin ahead of its own input, after its length
         size = int(sys.stdin.buffer.readline())
         source = sys.stdin.buffer.read(size).decode("utf-8", "surrogatepass")
+    elif config["code"].startswith("fd:"):  # a sandbox started ahead of time: program and stdin come down a pipe
+        source = _receive(int(config["code"][3:]))
     else:
         with open(config["code"], encoding="utf-8", errors="surrogatepass") as f:
             source = f.read()
+    _limit(config)  # after the wait for the program: a sandbox started ahead of time spends none of its limits idle
     try:
         code = compile(source, "main.py", "exec")
     except (SyntaxError, ValueError) as exc:

@@ -33,13 +33,15 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from tinkerless.envs.sandbox.bootstrap import BOOTSTRAP
 from tinkerless.envs.sandbox.limits import BOOTSTRAP_EXIT_CODES, SandboxLimits, SandboxResult, SandboxUnavailable, rlimit_values
 from tinkerless.envs.sandbox.seccomp_filter import compiled_filter
-from tinkerless.envs.sandbox.supervise import supervise
+from tinkerless.envs.sandbox import warm
+from tinkerless.envs.sandbox.supervise import supervise, watch
 from tinkerless.errors import ConfigError
 from tinkerless.envs.sandbox.uid_pool import lease_uid
 
@@ -82,8 +84,64 @@ def run_bwrap(code: str, *, limits: SandboxLimits, stdin: str, config: dict, pro
             "SandboxLimits(network=True) cannot be granted by the bubblewrap sandbox: it has no network at all",
             hint="use sandbox='modal' for tool code that needs the network",
         )
+    bwrap_path()  # every call: a missing bwrap is reported even where a sandbox is still ready
     _check_available(profile)
-    return _run(code, limits=limits, stdin=stdin, config=config, profile=profile)
+    key = (profile, limits, bool(config.get("audit_hook")), os.geteuid() == 0)
+    ready = warm.take(key)
+    result = _run_ready(ready, code, stdin, limits) if ready is not None else None
+    if result is None:
+        result = _run(code, limits=limits, stdin=stdin, config=config, profile=profile)
+    warm.prepare(key, lambda: _start_ready(profile, limits, config))
+    return result
+
+
+def _start_ready(profile: Profile, limits: SandboxLimits, config: dict) -> warm.Ready:
+    """A sandbox whose interpreter waits for its program on a pipe (see warm.py)."""
+    as_root = os.geteuid() == 0
+    lease = contextlib.ExitStack()
+    uid = lease.enter_context(_leased_uid(as_root))
+    program_r, program_w = os.pipe()
+    os.set_inheritable(program_w, False)
+    seccomp_fd = _memfd("seccomp", compiled_filter())
+    try:
+        config = {
+            **config,
+            "work": WORK_DIR,
+            "code": f"fd:{program_r}",
+            "read_roots": list(_layout(profile).read_roots),
+            "drop_to": [uid, uid] if as_root else None,
+            "nproc": limits.max_processes,
+            "rlimits": rlimit_values(limits),
+        }
+        argv = _argv(profile, limits, as_root, seccomp_fd, None, config)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin"},
+            pass_fds=(seccomp_fd, program_r), start_new_session=True,
+        )
+    except BaseException:
+        os.close(program_w)
+        lease.close()
+        raise
+    finally:
+        os.close(seccomp_fd)
+        os.close(program_r)
+    return warm.Ready(proc, program_w, lease)
+
+
+def _run_ready(ready: warm.Ready, code: str, stdin: str, limits: SandboxLimits) -> SandboxResult | None:
+    """Run `code` in a sandbox started ahead of time; None if it turned out to be unusable."""
+    program = code.encode("utf-8", "surrogatepass")
+    data = stdin.encode("utf-8", "replace")
+    try:
+        _write_all(ready.program_fd, b"%d %d\n" % (len(program), len(data)) + program + data)
+        os.close(ready.program_fd)
+    except OSError:
+        ready.discard()
+        return None
+    try:
+        return watch(ready.proc, kind="bwrap", limits=limits, started=time.monotonic(), cpu_reported=False)
+    finally:
+        ready.lease.close()
 
 
 def _run(code: str, *, limits: SandboxLimits, stdin: str, config: dict, profile: Profile) -> SandboxResult:
@@ -197,7 +255,7 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: int, code_fd: int, config: dict) -> list[str]:
+def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: int, code_fd: int | None, config: dict) -> list[str]:
     layout = _layout(profile)
     argv = [bwrap_path(), "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL"]
@@ -210,7 +268,8 @@ def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: in
     argv += layout.mounts
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--perms", "1777", "--size", str(int(limits.disk_bytes)), "--tmpfs", WORK_DIR]
-    argv += ["--perms", "0444", "--ro-bind-data", str(code_fd), CODE_PATH]
+    if code_fd is not None:  # (a sandbox started ahead of time gets its program down a pipe instead)
+        argv += ["--perms", "0444", "--ro-bind-data", str(code_fd), CODE_PATH]
     env = {"HOME": WORK_DIR, "TMPDIR": WORK_DIR, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC", "PATH": "/usr/bin:/bin"}
     if profile.python_path:
         env["PYTHONPATH"] = os.pathsep.join(profile.python_path)
