@@ -1,4 +1,4 @@
-"""The program the sandboxed interpreter runs first: `python -I -S -B -u -c BOOTSTRAP CONFIG_JSON`.
+"""The program the sandboxed interpreter runs first: `python -I -S -B -u -c BOOTSTRAP CONFIG_LITERAL`.
 
 In order, before any of the user's code:
 
@@ -6,8 +6,10 @@ In order, before any of the user's code:
    CAP_SETUID/CAP_SETGID for this step), drop to the call's own unprivileged uid/gid
    with no supplementary groups, which clears every capability; no_new_privs
    (set by bwrap) keeps them from coming back through exec;
-2. set RLIMIT_NPROC for that uid: the tasks it already has plus `max_processes`;
-3. compile the user's program (a syntax error is an ordinary "error" result);
+2. read the program: a file, stdin (Modal) or, in a sandbox started ahead of time
+   (warm.py), a pipe it waits on;
+3. set the resource limits (RLIMIT_NPROC: the tasks the uid already has plus
+   `max_processes`), then compile the program (a syntax error is an "error" result);
 4. optionally install the audit-hook layer (`sys.addaudithook` plus replaced
    functions) that refuses forbidden operations with a readable message;
 5. run the program as `__main__`, and map an uncaught exception that came from a
