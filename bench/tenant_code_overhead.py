@@ -5,8 +5,9 @@
 Two servers on 127.0.0.1 with the same model: one multi-tenant (each tenant's env and
 reward run in its bubblewrap-sandboxed host, `tinkerless/functions/user_code.py`), one
 `--single-user` (user code in the server process). Each example runs `--steps` steps as
-a tenant with an API key on each server, alternating, `--rounds` times; the script
-prints the median seconds per step, the ratio sandboxed/in-process and the rewards (the
+a tenant with an API key on each server, alternating, `--rounds` times after one warm-up
+round (model load, the tenant host's start); the script prints the median and minimum
+seconds per step, their ratios sandboxed/in-process and the rewards (the
 same seeds give the same rewards either way: the sandbox changes where code runs, not
 what it computes).
 """
@@ -53,25 +54,31 @@ def main() -> None:
     rewards: dict[tuple[str, str], list[float]] = {}
     with serve_in_thread(servers["sandboxed"][0]) as sandboxed_url, serve_in_thread(servers["in-process"][0]) as local_url:
         urls = {"sandboxed": sandboxed_url, "in-process": local_url}
-        for round_index in range(args.rounds):
+        for round_index in range(-1, args.rounds):  # round -1 warms up (loads, first host start), not counted
             for name, config in configs.items():
                 for kind in ("sandboxed", "in-process"):
                     started = time.perf_counter()
                     result = tinkerless.train(
                         config, backend=HTTPBackend(urls[kind], api_key=servers[kind][1]),
-                        storage=str(work / f"client-{kind}-{round_index}"), run_id=f"{name.split()[0]}-{round_index}",
+                        storage=str(work / f"client-{kind}-{round_index + 1}"), run_id=f"{name.split()[0]}-{round_index + 1}",
                     )
                     elapsed = time.perf_counter() - started
-                    seconds.setdefault((name, kind), []).append(elapsed / args.steps)
+                    if round_index >= 0:
+                        seconds.setdefault((name, kind), []).append(elapsed / args.steps)
                     rewards[(name, kind)] = [round(r["reward_mean"], 3) for r in result.metrics]
     hosts.close()
-    print(f"{args.steps} steps × {args.rounds} rounds per cell, model {args.model}")
-    print("| example | in-process s/step | sandboxed s/step | ratio | rewards in-process | rewards sandboxed |")
+    import os
+
+    print(f"{args.steps} steps × {args.rounds} rounds per cell after a warm-up round, model {args.model}, load {os.getloadavg()[0]:.1f}")
+    print("| example | in-process s/step (median, min) | sandboxed s/step (median, min) | ratio of medians | ratio of minima | rewards equal |")
     print("|---|---|---|---|---|---|")
     for name in configs:
-        local = statistics.median(seconds[(name, "in-process")])
-        boxed = statistics.median(seconds[(name, "sandboxed")])
-        print(f"| {name} | {local:.2f} | {boxed:.2f} | {boxed / local:.3f} | {rewards[(name, 'in-process')]} | {rewards[(name, 'sandboxed')]} |")
+        local, boxed = seconds[(name, "in-process")], seconds[(name, "sandboxed")]
+        same = rewards[(name, "in-process")] == rewards[(name, "sandboxed")]
+        print(
+            f"| {name} | {statistics.median(local):.2f}, {min(local):.2f} | {statistics.median(boxed):.2f}, {min(boxed):.2f} | "
+            f"{statistics.median(boxed) / statistics.median(local):.3f} | {min(boxed) / min(local):.3f} | {same} {rewards[(name, 'sandboxed')]} |"
+        )
 
 
 if __name__ == "__main__":

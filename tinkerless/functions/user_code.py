@@ -27,7 +27,6 @@ import contextvars
 import os
 import random
 import selectors
-import sys
 import sysconfig
 import threading
 from collections import deque
@@ -66,7 +65,17 @@ def current_tenant() -> str:
 
 
 class HostedCodeError(UserCodeError):
-    """The tenant's code raised, hung or died in its sandbox; `hint` holds the end of its traceback."""
+    """The tenant's code raised, hung or died in its sandbox; `traceback` is the one from inside the sandbox."""
+
+    def __init__(self, message: str, *, hint: str | None = None, traceback: str | None = None):
+        super().__init__(message, hint=hint)
+        self.traceback = traceback
+
+
+def _error(reply: HostReply) -> HostedCodeError:
+    return HostedCodeError(
+        f"{reply.error_type}: {reply.error}", hint="raised by the tenant's code in its sandbox", traceback=reply.traceback or None
+    )
 
 
 def tenant_profile(hide: tuple[str, ...] = ()) -> Profile:
@@ -144,7 +153,7 @@ class UserCodeHost:
                     hint=f"it may have hit its memory or CPU limit; its last output:\n{tail}" if tail else "it may have hit its memory or CPU limit",
                 ) from None
         if not reply.ok:
-            raise HostedCodeError(f"{reply.error_type}: {reply.error}", hint=reply.traceback or None)
+            raise _error(reply)
         return reply
 
     def _read_reply(self) -> HostReply:
@@ -177,9 +186,8 @@ class UserCodeHost:
 
 
 def _wire_args(values: Any, rngs: list[random.Random]) -> Any:
-    if isinstance(values, (HostedObject, HostedClass)):
-        return Ref(values.handle)
-    if isinstance(values, HostedFunction):
+    """Arguments as they cross: hosted objects by handle, random generators by state, plain data as is."""
+    if isinstance(values, (HostedObject, HostedClass, HostedFunction)):
         return Ref(values.handle)
     if isinstance(values, random.Random):
         rngs.append(values)
@@ -201,6 +209,29 @@ def _call(host: UserCodeHost, handle: int, method: str, args: tuple, kwargs: dic
     return reply.value
 
 
+def call_each(targets: list[Any], method: str, arguments: list[tuple]) -> list[Any] | None:
+    """`getattr(target, method)(*args)` for each pair in one round trip, when every target lives in the same host;
+    each result is the value or the `HostedCodeError` that call raised. None when they are not all hosted there
+    (the caller then calls them one by one as usual)."""
+    if not targets or not all(isinstance(t, (HostedObject, HostedFunction)) for t in targets):
+        return None
+    host = targets[0].host
+    if any(t.host is not host for t in targets):
+        return None
+    name = "" if isinstance(targets[0], HostedFunction) else method
+    calls = []
+    for target, args in zip(targets, arguments):
+        rngs: list[random.Random] = []
+        calls.append(HostRequest("call", handle=target.handle, method=name, args=_wire_args(list(args), rngs)))
+        if rngs:
+            return None  # generators must come back in order: keep to single calls
+    try:
+        replies = host.request(HostRequest("many", args=calls)).value
+    except HostedCodeError as exc:  # the host died or hung: every call of the batch failed with it
+        return [exc] * len(calls)
+    return [r.value if r.ok else _error(r) for r in replies]
+
+
 class HostedFunction:
     """A reward function or scripted opponent living in the tenant's host."""
 
@@ -215,7 +246,8 @@ class HostedObject:
     """An env instance living in the tenant's host; its public methods are calls over the pipe."""
 
     def __init__(self, host: UserCodeHost, reply: HostReply):
-        self._host, self.handle, self._methods = host, reply.handle, frozenset(reply.methods)
+        self.host = self._host = host
+        self.handle, self._methods = reply.handle, frozenset(reply.methods)
         self.__dict__.update({k: v for k, v in reply.attributes.items() if k not in self._methods})
 
     def __getattr__(self, name: str) -> Any:
@@ -269,4 +301,4 @@ class UserCodeHosts:
             self._hosts.clear()
 
 
-__all__ = ["HostedCodeError", "UserCodeHost", "UserCodeHosts", "current_tenant", "tenant_profile", "tenant_scope"]
+__all__ = ["HostedCodeError", "UserCodeHost", "UserCodeHosts", "call_each", "current_tenant", "tenant_profile", "tenant_scope"]

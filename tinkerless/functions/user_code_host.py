@@ -91,6 +91,8 @@ def _resolve(value: Any, objects: _Objects, rngs: list[random.Random]) -> Any:
 
 
 def answer(request: HostRequest, objects: _Objects) -> HostReply:
+    if request.op == "many":  # one round trip for a whole turn's env steps (or rewards); each answered on its own
+        return HostReply(True, value=[_answer_one(item, objects) for item in request.args])
     if request.op == "load":
         payload = request.blob.payload
         if payload not in objects.loaded:
@@ -120,6 +122,13 @@ def answer(request: HostRequest, objects: _Objects) -> HostReply:
         states = [[s[0], list(s[1]), s[2]] for s in (r.getstate() for r in rngs)]
         return HostReply(True, value=plain(value), rng_states=states)
     raise ValueError(f"unknown host operation {request.op!r}")
+
+
+def _answer_one(request: HostRequest, objects: _Objects) -> HostReply:
+    try:
+        return answer(request, objects)
+    except Exception as exc:
+        return HostReply(False, error_type=type(exc).__name__, error=str(exc)[:2000], traceback=traceback.format_exc()[-8000:])
 
 
 def main(requests_fd: int, replies_fd: int) -> None:

@@ -26,27 +26,21 @@ The audit-hook layer of `bootstrap.py` runs inside as an extra layer with readab
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import re
 import shutil
 import subprocess
-import sys
-import sysconfig
 import time
-from dataclasses import dataclass, field
-from typing import Iterator
 
+from tinkerless.envs.sandbox import warm
 from tinkerless.envs.sandbox.bootstrap import BOOTSTRAP
+from tinkerless.envs.sandbox.layout import CODE_PATH, TOOL_PROFILE, Profile, layout
 from tinkerless.envs.sandbox.limits import BOOTSTRAP_EXIT_CODES, SandboxLimits, SandboxResult, SandboxUnavailable, rlimit_values
 from tinkerless.envs.sandbox.seccomp_filter import compiled_filter
-from tinkerless.envs.sandbox import warm
 from tinkerless.envs.sandbox.supervise import supervise, watch
-from tinkerless.errors import ConfigError
 from tinkerless.envs.sandbox.uid_pool import lease_uid
+from tinkerless.errors import ConfigError
 
 WORK_DIR = "/tmp"
-CODE_PATH = "/sandbox/main.py"
 NOBODY = 65534
 INSTALL_HINT = (
     "install bubblewrap (`apt-get install bubblewrap`; scripts/install.sh does it) and run the worker as root or "
@@ -54,20 +48,6 @@ INSTALL_HINT = (
     "user.max_user_namespaces > 0); on Modal use sandbox='modal'. Only for code you trust: sandbox='process-unsafe'. "
     "See docs/sandbox.md"
 )
-ZONEINFO = ("/usr/share/zoneinfo",)
-
-
-@dataclass(frozen=True)
-class Profile:
-    """What a sandbox sees besides the interpreter and its standard library."""
-
-    name: str = "tool"
-    read_only: tuple[str, ...] = ()  # extra host paths mounted read-only at the same place
-    python_path: tuple[str, ...] = ()  # put on sys.path (e.g. the tinkerless source and a venv's site-packages)
-    hide: tuple[str, ...] = field(default=())  # paths inside those mounts to cover with an empty read-only tmpfs
-
-
-TOOL_PROFILE = Profile()
 
 
 def bwrap_path() -> str:
@@ -108,7 +88,7 @@ def _start_ready(profile: Profile, limits: SandboxLimits, config: dict) -> warm.
             **config,
             "work": WORK_DIR,
             "code": f"fd:{program_r}",
-            "read_roots": list(_layout(profile).read_roots),
+            "read_roots": list(layout(profile).read_roots),
             "drop_to": [uid, uid] if as_root else None,
             "nproc": limits.max_processes,
             "rlimits": rlimit_values(limits),
@@ -155,7 +135,7 @@ def _run(code: str, *, limits: SandboxLimits, stdin: str, config: dict, profile:
                 **config,
                 "work": WORK_DIR,
                 "code": CODE_PATH,
-                "read_roots": list(_layout(profile).read_roots),
+                "read_roots": list(layout(profile).read_roots),
                 "drop_to": [uid, uid] if as_root else None,
                 "nproc": limits.max_processes,
                 "rlimits": rlimit_values(limits),
@@ -206,7 +186,7 @@ def spawn(code: str, *, limits: SandboxLimits, profile: Profile, pass_fds: tuple
             "audit_hook": False,
             "work": WORK_DIR,
             "code": CODE_PATH,
-            "read_roots": list(_layout(profile).read_roots),
+            "read_roots": list(layout(profile).read_roots),
             "drop_to": [uid, uid] if as_root else None,
             "nproc": limits.max_processes,
             "rlimits": rlimit_values(limits),
@@ -256,7 +236,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: int, code_fd: int | None, config: dict) -> list[str]:
-    layout = _layout(profile)
+    root = layout(profile)
     argv = [bwrap_path(), "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL"]
     if as_root:
@@ -265,7 +245,7 @@ def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: in
     else:
         argv += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns"]
     argv += ["--seccomp", str(seccomp_fd)]
-    argv += layout.mounts
+    argv += root.mounts
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--perms", "1777", "--size", str(int(limits.disk_bytes)), "--tmpfs", WORK_DIR]
     if code_fd is not None:  # (a sandbox started ahead of time gets its program down a pipe instead)
@@ -276,118 +256,10 @@ def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: in
     argv += ["--chdir", WORK_DIR, "--clearenv"]
     for key, value in env.items():
         argv += ["--setenv", key, value]
-    # -I ignores PYTHONPATH: a profile with python_path runs without -I but keeps -s (no user site) and -E off.
+    # -I ignores PYTHONPATH: a profile with python_path runs without -I, keeping -s (no user site) and -P (no script dir).
     flags = ["-I"] if not profile.python_path else ["-s", "-P"]
-    argv += ["--", layout.interpreter, *flags, "-S", "-B", "-u", "-X", "utf8", "-c", BOOTSTRAP, repr(config)]
+    argv += ["--", root.interpreter, *flags, "-S", "-B", "-u", "-X", "utf8", "-c", BOOTSTRAP, repr(config)]
     return argv
-
-
-@dataclass(frozen=True)
-class _Layout:
-    interpreter: str
-    mounts: list[str]
-    read_roots: tuple[str, ...]
-
-
-@functools.lru_cache(maxsize=8)
-def _layout(profile: Profile) -> _Layout:
-    """The read-only mounts for a profile, computed once per process (it runs ldd once)."""
-    interpreter = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-    stdlib_dirs = {os.path.realpath(p) for p in (*_base_paths("stdlib", "platstdlib"), os.path.dirname(os.__file__)) if p}
-    binds: set[str] = {interpreter, *stdlib_dirs}
-    symlinks: dict[str, str] = {}
-    libraries = _shared_libraries([interpreter, *_extension_modules(stdlib_dirs)])
-    for library in libraries:
-        for path in (os.path.dirname(library), os.path.dirname(os.path.realpath(library))):
-            binds.add(_mirror(path, symlinks))
-    for path in ("/etc/ld.so.cache", *ZONEINFO, *profile.read_only):
-        if os.path.exists(path):
-            binds.add(_mirror(path, symlinks))
-    binds = _outermost(binds)
-    mounts: list[str] = []
-    # bwrap would create the parents of mount points with mode 0700, unreadable for the sandbox's uid.
-    for parent in _parents([*binds, *symlinks, CODE_PATH]):
-        mounts += ["--perms", "0755", "--dir", parent]
-    for path in sorted(binds):
-        mounts += ["--ro-bind", path, path]
-    for link, target in sorted(symlinks.items()):
-        if not any(link == b or link.startswith(b.rstrip("/") + "/") for b in binds):
-            mounts += ["--symlink", target, link]
-    hidden = set(profile.hide) | {p for p in _site_packages() if any(p.startswith(d + "/") for d in stdlib_dirs)}
-    hidden -= {os.path.realpath(p) for p in profile.python_path}
-    for path in sorted(hidden):
-        # Only what a mount would otherwise show (e.g. a server's storage inside a bound directory).
-        if os.path.isdir(path) and any(path.startswith(b.rstrip("/") + "/") for b in binds):
-            mounts += ["--tmpfs", path, "--remount-ro", path]
-    read_roots = tuple(sorted(stdlib_dirs | set(ZONEINFO) | {os.path.realpath(p) for p in (*profile.read_only, *profile.python_path)}))
-    return _Layout(interpreter=interpreter, mounts=mounts, read_roots=read_roots)
-
-
-def _mirror(path: str, symlinks: dict[str, str]) -> str:
-    """Record the symlinks along `path` (so it resolves inside as outside); return its real path to bind."""
-    current = "/"
-    for part in [p for p in os.path.abspath(path).split("/") if p]:
-        candidate = os.path.join(current, part)
-        if os.path.islink(candidate):
-            symlinks[candidate] = os.readlink(candidate)
-            current = _mirror(os.path.realpath(candidate), symlinks) if os.path.realpath(candidate) != candidate else candidate
-        else:
-            current = candidate
-    return os.path.realpath(path)
-
-
-def _parents(paths: list[str]) -> list[str]:
-    """Every ancestor directory of `paths` (not "/"), outer ones first."""
-    found = {os.path.dirname(p.rstrip("/")) for p in paths}
-    for path in list(found):
-        while path not in ("/", ""):
-            found.add(path)
-            path = os.path.dirname(path)
-    found.discard("/")
-    found.discard("")
-    return sorted(found, key=lambda p: (p.count("/"), p))
-
-
-def _outermost(paths: set[str]) -> set[str]:
-    """Drop paths inside another path of the set: binding the outer one already covers them."""
-    kept: set[str] = set()
-    for path in sorted(paths, key=len):
-        if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
-            kept.add(path)
-    return kept
-
-
-def _extension_modules(stdlib_dirs: set[str]) -> list[str]:
-    found = []
-    for directory in stdlib_dirs:
-        dynload = os.path.join(directory, "lib-dynload")
-        if os.path.isdir(dynload):
-            found += [os.path.join(dynload, name) for name in os.listdir(dynload) if name.endswith(".so")]
-    return found
-
-
-_LDD_LINE = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x[0-9a-f]+\)")
-
-
-def _shared_libraries(binaries: list[str]) -> set[str]:
-    try:
-        done = subprocess.run(["ldd", *binaries], capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SandboxUnavailable(f"cannot list the interpreter's shared libraries with ldd: {exc}", hint="install libc-bin (ldd)") from exc
-    return {match.group(1) for match in _LDD_LINE.finditer(done.stdout)}
-
-
-def _base_paths(*keys: str) -> Iterator[str]:
-    """sysconfig paths of the base interpreter (in a venv, sysconfig alone answers with the venv's)."""
-    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
-    for key in keys:
-        path = sysconfig.get_path(key, vars=base)
-        if path:
-            yield os.path.realpath(path)
-
-
-def _site_packages() -> Iterator[str]:
-    return _base_paths("purelib", "platlib")
 
 
 _available: set[Profile] = set()
