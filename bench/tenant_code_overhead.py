@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import tinkerless  # noqa: E402
-from tinkerless.functions.user_code import UserCodeHosts  # noqa: E402
+from tinkerless.functions.user_code import UserCodeHost, UserCodeHosts  # noqa: E402
 from tinkerless.functions.worker import Worker  # noqa: E402
 from tinkerless.sdk.cli import load_config  # noqa: E402
 from tinkerless.sdk.http_backend import HTTPBackend  # noqa: E402
@@ -45,6 +45,20 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="tinkerless-tenant-bench-"))
     configs = {name: load_config(str(path)).replace(model=args.model, steps=args.steps, progress=False) for name, path in EXAMPLES.items()}
     hosts = UserCodeHosts(hide=(str(work),))
+    # The time the server spends waiting on the tenants' sandboxes, apart from the model's: the part of the
+    # ratio that a busy machine's noise cannot hide.
+    hosted = {"calls": 0, "seconds": 0.0}
+    real_request = UserCodeHost.request
+
+    def timed_request(self, request):
+        started = time.perf_counter()
+        try:
+            return real_request(self, request)
+        finally:
+            hosted["calls"] += 1
+            hosted["seconds"] += time.perf_counter() - started
+
+    UserCodeHost.request = timed_request
     servers = {}
     for kind, worker in (("sandboxed", Worker(args.model, user_code_hosts=hosts)), ("in-process", Worker(args.model))):
         storage = work / kind
@@ -52,6 +66,7 @@ def main() -> None:
         servers[kind] = (create_app(worker, keys=KeyStore(ObjectStore(str(storage))), storage=str(storage)), key)
     seconds: dict[tuple[str, str], list[float]] = {}
     rewards: dict[tuple[str, str], list[float]] = {}
+    hostwait: dict[str, list] = {}
     with serve_in_thread(servers["sandboxed"][0]) as sandboxed_url, serve_in_thread(servers["in-process"][0]) as local_url:
         urls = {"sandboxed": sandboxed_url, "in-process": local_url}
         for round_index in range(-1, args.rounds):  # round -1 warms up (loads, first host start), not counted
@@ -65,6 +80,12 @@ def main() -> None:
                     elapsed = time.perf_counter() - started
                     if round_index >= 0:
                         seconds.setdefault((name, kind), []).append(elapsed / args.steps)
+                        if kind == "sandboxed":
+                            waits = hostwait.setdefault(name, [0, 0.0, 0.0])
+                            waits[0] += hosted["calls"]
+                            waits[1] += hosted["seconds"]
+                            waits[2] += sum(r["rollout_s"] for r in result.metrics)
+                    hosted["calls"], hosted["seconds"] = 0, 0.0
                     rewards[(name, kind)] = [round(r["reward_mean"], 3) for r in result.metrics]
     hosts.close()
     import os
@@ -79,6 +100,8 @@ def main() -> None:
             f"| {name} | {statistics.median(local):.2f}, {min(local):.2f} | {statistics.median(boxed):.2f}, {min(boxed):.2f} | "
             f"{statistics.median(boxed) / statistics.median(local):.3f} | {min(boxed) / min(local):.3f} | {same} {rewards[(name, 'sandboxed')]} |"
         )
+    for name, (calls, waited, rollout) in hostwait.items():
+        print(f"{name}: {calls} round trips to the sandbox, {waited:.3f} s in them, {100 * waited / rollout:.1f}% of {rollout:.1f} s of rollout")
 
 
 if __name__ == "__main__":
