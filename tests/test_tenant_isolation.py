@@ -220,3 +220,42 @@ def test_hosted_rollouts_equal_in_process_ones(worker):
     assert all(e.status == "ok" for e in local_single + local_multi)
     episodes_equal(local_single, hosted_single)
     episodes_equal(local_multi, hosted_multi)
+
+
+def test_a_hosted_call_that_kills_or_hangs_its_host_fails_alone_and_the_host_comes_back():
+    from tinkerless.functions.user_code import HostedCodeError, tenant_scope
+
+    def suicide(completion, task):
+        import os as _os
+        import signal as _signal
+
+        _os.kill(_os.getpid(), _signal.SIGKILL)
+
+    def spin(completion, task):
+        while True:
+            pass
+
+    def fine(completion, task):
+        return 2.0
+
+    hosts = UserCodeHosts(call_timeout=3.0)
+    try:
+        with tenant_scope("dave"):
+            with pytest.raises(HostedCodeError, match="died"):
+                hosts.load(pack_code(suicide))("x", {})
+            assert hosts.load(pack_code(fine))("x", {}) == 2.0  # a fresh host
+            with pytest.raises(HostedCodeError, match="did not answer within 3 s"):
+                hosts.load(pack_code(spin))("x", {})
+            assert hosts.load(pack_code(fine))("x", {}) == 2.0
+    finally:
+        hosts.close()
+
+
+def test_a_shared_server_without_bubblewrap_refuses_to_start(monkeypatch):
+    from tinkerless.envs.sandbox import SandboxUnavailable
+    from tinkerless.server.app import serve
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxUnavailable, match="bubblewrap") as caught:
+        serve(model="unused-the-check-comes-first")
+    assert "apt-get install bubblewrap" in caught.value.hint

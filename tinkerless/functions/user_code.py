@@ -280,6 +280,13 @@ class UserCodeHosts:
         self._hosts: dict[str, UserCodeHost] = {}
         self._lock = threading.Lock()
 
+    def check(self) -> None:
+        """Start a trivial sandbox with the tenants' profile now; SandboxUnavailable (naming the fix) if it cannot."""
+        from tinkerless.envs.sandbox.bwrap import bwrap_path, check_available
+
+        bwrap_path()
+        check_available(self.profile)
+
     def for_tenant(self, tenant: str) -> UserCodeHost:
         with self._lock:
             if tenant not in self._hosts:

@@ -274,7 +274,9 @@ def serve(
 
         local_storage = storage or "."
         hidden = (local_storage,) if "://" not in local_storage else ()  # tenants' code must not see it
-        worker_options.setdefault("user_code_hosts", UserCodeHosts(hide=hidden))
+        hosts = UserCodeHosts(hide=hidden)
+        hosts.check()  # no sandbox here: refuse to serve tenants now, naming the fix, rather than fail their rollouts
+        worker_options.setdefault("user_code_hosts", hosts)
     app = create_app(
         Worker(model, **worker_options),
         max_request_bytes=max_request_bytes,

@@ -65,7 +65,7 @@ def run_bwrap(code: str, *, limits: SandboxLimits, stdin: str, config: dict, pro
             hint="use sandbox='modal' for tool code that needs the network",
         )
     bwrap_path()  # every call: a missing bwrap is reported even where a sandbox is still ready
-    _check_available(profile)
+    check_available(profile)
     key = (profile, limits, bool(config.get("audit_hook")), os.geteuid() == 0)
     ready = warm.take(key)
     result = _run_ready(ready, code, stdin, limits) if ready is not None else None
@@ -173,7 +173,7 @@ def spawn(code: str, *, limits: SandboxLimits, profile: Profile, pass_fds: tuple
     Same confinement as `run_bwrap` (limits too, set by the bootstrap), without the audit hook;
     the caller bounds each exchange in time and kills the sandbox when done.
     """
-    _check_available(profile)
+    check_available(profile)
     as_root = os.geteuid() == 0
     lease = contextlib.ExitStack()
     uid = lease.enter_context(_leased_uid(as_root))
@@ -265,7 +265,7 @@ def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: in
 _available: set[Profile] = set()
 
 
-def _check_available(profile: Profile) -> None:
+def check_available(profile: Profile) -> None:
     """Run a trivial program once per process and profile; SandboxUnavailable with bwrap's own message if it fails."""
     if profile in _available:
         return
@@ -281,4 +281,4 @@ def _probe_config() -> dict:
     return {"max_processes": 0, "exit_codes": sorted(BOOTSTRAP_EXIT_CODES), "audit_hook": False}
 
 
-__all__ = ["INSTALL_HINT", "Profile", "SpawnedSandbox", "TOOL_PROFILE", "bwrap_path", "run_bwrap", "spawn"]
+__all__ = ["INSTALL_HINT", "Profile", "SpawnedSandbox", "TOOL_PROFILE", "bwrap_path", "check_available", "run_bwrap", "spawn"]
