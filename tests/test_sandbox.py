@@ -422,3 +422,151 @@ def test_python_env_survives_a_cloudpickle_round_trip(fast_tool):
     restored = unpack_code(pack_code(env, name="PythonToolEnv instance"))
     assert restored.answer == 42 and len(restored.calls) == 1
     assert restored.step("<answer>42</answer>").reward == 1.0
+
+
+# ---------------------------------------------------------------------------
+# the Modal sandbox, offline at the SDK boundary: the one fake is `modal.Sandbox` and `modal.App.lookup`
+# (Modal's network), standing in with a local process that runs the same command.
+
+
+class FakeModalSandbox:
+    """`modal.Sandbox` where calls would leave the machine: `create` records its arguments and runs the command
+    as a local process; stdin/stdout/stderr/poll/terminate as Modal's."""
+
+    created: list[dict] = []
+
+    def __init__(self, argv: list[str], options: dict):
+        import subprocess
+
+        self.options = options
+        # The image is Debian with this Python version: here, Debian's own /usr/bin/python3 (its stdlib is
+        # world-readable, as in the image, for the uid the bootstrap drops to).
+        assert argv[0] == "python3"
+        self.proc = subprocess.Popen(["/usr/bin/python3", *argv[1:]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/tmp", env={})
+        self.stdin = _FakeWriter(self.proc.stdin)
+        self.stdout, self.stderr = _FakeReader(self.proc.stdout), _FakeReader(self.proc.stderr)
+
+    @classmethod
+    def create(cls, *argv: str, app=None, image=None, **options):
+        assert app == "app-handle" and image is not None
+        cls.created.append(options)
+        return cls(list(argv), options)
+
+    def poll(self):
+        return self.proc.poll()
+
+    @property
+    def returncode(self):
+        return self.proc.returncode
+
+    def terminate(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+class _FakeWriter:
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    def write(self, data):
+        self.pipe.write(data if isinstance(data, bytes) else data.encode())
+
+    def write_eof(self):
+        self.pipe.close()
+
+    def drain(self):
+        pass
+
+
+class _FakeReader:
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    def __iter__(self):
+        for chunk in iter(lambda: self.pipe.read1(4096), b""):
+            yield chunk.decode("utf-8", "replace")  # Modal's readers yield text by default
+
+
+@pytest.fixture
+def fake_modal(monkeypatch):
+    import modal
+
+    from tinkerless.envs.sandbox import modal_sandbox
+
+    modal_sandbox._app_and_image.cache_clear()
+    monkeypatch.setattr(modal.App, "lookup", staticmethod(lambda name, create_if_missing=False: "app-handle" if create_if_missing and name == modal_sandbox.APP_NAME else None))
+    monkeypatch.setattr(modal, "Sandbox", FakeModalSandbox)
+    FakeModalSandbox.created = []
+    yield FakeModalSandbox
+    modal_sandbox._app_and_image.cache_clear()
+
+
+def test_modal_sandbox_runs_the_bootstrap_with_the_limits_and_no_network(fake_modal):
+    limits = SandboxLimits(cpu_seconds=1, wall_seconds=3, memory_bytes=128 * 2**20)
+    result = run_python("import os, sys\nprint(6 * 7, os.getuid(), sys.stdin.read())", limits=limits, stdin="from stdin", sandbox="modal")
+    assert result.ok and result.sandbox == "modal" and result.stdout == "42 65534 from stdin\n", result
+    assert fake_modal.created == [{"timeout": 8, "cpu": 1.0, "memory": 256, "block_network": True, "workdir": "/tmp"}]
+    networked = SandboxLimits(network=True, max_processes=1)
+    assert run_python("print(1)", limits=networked, sandbox="modal").ok
+    assert fake_modal.created[-1]["block_network"] is False and fake_modal.created[-1]["memory"] == 256 * 2 + 128
+
+
+def test_modal_sandbox_limits_mean_what_they_mean_locally(fake_modal):
+    slow = run_python("import time\nprint('start', flush=True)\ntime.sleep(30)", limits=SandboxLimits(wall_seconds=1), sandbox="modal")
+    assert slow.reason == "timeout" and slow.stdout == "start\n" and slow.seconds < 3
+    memory = run_python("x = bytearray(2**33)", limits=FAST, sandbox="modal")
+    assert memory.reason == "memory_limit", memory
+    fork = run_python("import os\nos.fork()", limits=FAST, sandbox="modal", audit_hook=False)
+    assert fork.reason == "process_limit", fork
+    tool = python_tool.python_tool(sandbox="modal", limits=FAST)
+    failed = tool(code="1 / 0")
+    assert not failed.ok and "ZeroDivisionError" in failed.text and "exit status 1" in failed.text
+
+
+def test_modal_sandbox_without_modal_access_refuses(monkeypatch):
+    import modal
+
+    from tinkerless.envs.sandbox import modal_sandbox
+
+    modal_sandbox._app_and_image.cache_clear()
+
+    def no_token(*args, **kwargs):
+        raise modal.exception.AuthError("Token missing")
+
+    monkeypatch.setattr(modal.App, "lookup", staticmethod(no_token))
+    try:
+        with pytest.raises(SandboxUnavailable, match="cannot reach Modal") as caught:
+            run_python("print(1)", sandbox="modal")
+        assert "sandbox='bwrap'" in caught.value.hint
+    finally:
+        modal_sandbox._app_and_image.cache_clear()
+
+
+def test_bubblewrap_never_grants_network():
+    with pytest.raises(ConfigError, match="no network"):
+        run_python("print(1)", limits=SandboxLimits(network=True))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"), reason="needs root to become another user")
+def test_a_non_root_worker_gets_the_same_sandbox_through_a_user_namespace():
+    """As root the interpreter drops to a leased uid; as anyone else bwrap maps uid 65534 in a user namespace.
+    Run the second path for real: Debian's python3 as user nobody, with this checkout on its path."""
+    import subprocess
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from tinkerless.envs.sandbox import run_python, SandboxLimits\n"
+        "r = run_python('import os; print(os.getuid(), os.getpid(), sorted(os.listdir(\"/\")))')\n"
+        "print(r.reason, r.stdout.strip())\n"
+        "print(run_python('import os\\nos.fork()', audit_hook=False).reason)\n"
+        "print(run_python('import os\\nos.fork()\\nprint(1)', limits=SandboxLimits(max_processes=1), audit_hook=False).stdout.count('1'))\n"
+    ) % checkout
+    done = subprocess.run(
+        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3", "-c", script],
+        capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, cwd="/tmp",
+    )
+    assert done.returncode == 0, done.stderr
+    first, fork_denied, fork_allowed = done.stdout.splitlines()
+    assert first.startswith("ok 65534 2 ") and "'root'" not in first and "'home'" not in first
+    assert fork_denied == "process_limit" and fork_allowed == "2"  # parent and child both printed

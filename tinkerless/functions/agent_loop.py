@@ -22,6 +22,7 @@ from tinkerless.envs.base import StepResult, as_step_result, check_reward
 from tinkerless.errors import DatasetError, TinkerlessError
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import Engine
+from tinkerless.functions.user_code import call_each
 from tinkerless.wire.messages import Episode, EpisodeLimits, SamplingParams
 
 
@@ -52,13 +53,19 @@ class _Run:
     def fail(self, where: str, exc: BaseException) -> None:
         self.status = "error"
         self.error = f"{where}: {type(exc).__name__}: {exc}"
-        self.traceback = tb.format_exc()
+        self.traceback = _traceback_of(exc)
         self.state = EpisodeState.TERMINATED
 
     def append(self, tokens: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
         self.tokens.extend(tokens)
         self.mask.extend([1.0 if sampled else 0.0] * len(tokens))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
+
+
+def _traceback_of(exc: BaseException) -> str:
+    # Code that ran in a tenant's sandbox (user_code.py) brings the traceback from there: the useful one.
+    hosted = getattr(exc, "traceback", None)
+    return hosted if isinstance(hosted, str) and hosted else tb.format_exc()
 
 
 def _env_name(env_cls: Any) -> str:
@@ -140,30 +147,47 @@ def run_episodes(
             [r.tokens for r in active], turn_sampling, policy=policy, seed=seed * 1_000_003 + turn
         )
         turn += 1
+        texts, last_tokens = [], []
         for run, generation, budget in zip(active, generations, budgets):
             tokens, logprobs = generation.tokens[: max(budget, 0)], generation.logprobs[: max(budget, 0)]
             run.append(tokens, sampled=True, logprobs=logprobs)
-            last_token = tokens[-1] if tokens else None
-            text = chat.tokenizer.decode(tokens, skip_special_tokens=True)
-            run.transcript.append({"role": "assistant", "content": text})
+            last_tokens.append(tokens[-1] if tokens else None)
+            texts.append(chat.tokenizer.decode(tokens, skip_special_tokens=True))
+            run.transcript.append({"role": "assistant", "content": texts[-1]})
             run.state = EpisodeState.INTERACTING
-            _interact(run, text, last_token, env_name, chat, limits)
+        # Envs in a tenant's sandbox (user_code.py) take the whole turn's steps in one round trip.
+        stepped = call_each([r.env for r in active], "step", [(t,) for t in texts]) if env_cls is not None else None
+        for i, run in enumerate(active):
+            _interact(run, texts[i], last_tokens[i], env_name, chat, limits, stepped[i] if stepped is not None else _NOT_STEPPED)
 
-    episodes = []
-    for run in runs:
-        if run.status != "error" and reward_fn is not None:
-            _final_reward(run, reward_fn, env_cls is None)
-        episodes.append(_to_episode(run))
-    return episodes
+    scored = [r for r in runs if r.status != "error"] if reward_fn is not None else []
+    rewards = call_each([reward_fn] * len(scored), "", [(_completion(r, env_cls is None), r.task) for r in scored])
+    for run, value in zip(scored, rewards if rewards is not None else [_NOT_STEPPED] * len(scored)):
+        _final_reward(run, reward_fn, env_cls is None, value)
+    return [_to_episode(run) for run in runs]
 
 
-def _interact(run: _Run, text: str, last_token: int | None, env_name: str | None, chat: ChatFormat, limits: EpisodeLimits) -> None:
+_NOT_STEPPED = object()  # no result computed ahead: call the env (or reward) here
+
+
+def _outcome(value: Any, call: Callable[[], Any]) -> Any:
+    """A result computed ahead in a batch (re-raised if it was an error), or the call made now."""
+    if value is _NOT_STEPPED:
+        return call()
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def _interact(
+    run: _Run, text: str, last_token: int | None, env_name: str | None, chat: ChatFormat, limits: EpisodeLimits, stepped: Any = _NOT_STEPPED
+) -> None:
     turns = sum(1 for m in run.transcript if m["role"] == "assistant")
     if run.env is None:
         run.state = EpisodeState.TERMINATED
         return
     try:
-        result: StepResult = as_step_result(run.env.step(text), env_name or "env")
+        result: StepResult = as_step_result(_outcome(stepped, lambda: run.env.step(text)), env_name or "env")
     except Exception as exc:
         run.fail(f"{env_name}.step (turn {turns})", exc)
         return
@@ -186,13 +210,17 @@ def _interact(run: _Run, text: str, last_token: int | None, env_name: str | None
     run.state = EpisodeState.GENERATING
 
 
-def _final_reward(run: _Run, reward_fn: Callable, single_turn: bool) -> None:
+def _completion(run: _Run, single_turn: bool) -> Any:
+    return run.transcript[-1]["content"] if single_turn else run.transcript
+
+
+def _final_reward(run: _Run, reward_fn: Callable, single_turn: bool, computed: Any = _NOT_STEPPED) -> None:
     name = getattr(reward_fn, "__qualname__", "reward")
-    completion = run.transcript[-1]["content"] if single_turn else run.transcript
+    completion = _completion(run, single_turn)
     try:
-        value = check_reward(reward_fn(completion, run.task), name)
+        value = check_reward(_outcome(computed, lambda: reward_fn(completion, run.task)), name)
     except TinkerlessError as exc:
-        run.status, run.traceback = "error", tb.format_exc()
+        run.status, run.traceback = "error", _traceback_of(exc)
         run.error = f"{name}: {type(exc).__name__}: {exc.message}"
         run.state = EpisodeState.TERMINATED
         return

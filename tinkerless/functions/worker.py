@@ -101,7 +101,10 @@ class Worker:
         micro_batch_size: int = 16,
         max_batch_size: int = 64,
         threads: int | None = None,
+        user_code_hosts: Any = None,
     ):
+        """`user_code_hosts` (a `tinkerless.functions.user_code.UserCodeHosts`): run the env/reward/agent code
+        clients ship in each tenant's sandboxed process instead of unpickling it here (a shared server)."""
         self.model_name = model
         # Before any torch work: the default thread count oversubscribes a loaded or restricted CPU.
         self.threads = choose_threads(threads)
@@ -114,6 +117,7 @@ class Worker:
         self.micro_batch_size = micro_batch_size
         self.policies: dict[str, _Policy] = {}
         self._code_cache: dict[str, Any] = {}
+        self.user_code_hosts = user_code_hosts
         self._adapter_root = tempfile.mkdtemp(prefix="tinkerless-adapters-")
         self.engine = self._make_engine(engine, max_batch_size)
 
@@ -286,12 +290,31 @@ class Worker:
     def _load_code(self, blob: CodeBlob | None) -> Any:
         if blob is None:
             return None
+        if self.user_code_hosts is not None:  # never unpickled in this process: proxies to the tenant's sandbox
+            return self.user_code_hosts.load(blob)
         key = hashlib.sha256(blob.payload).hexdigest()
         if key not in self._code_cache:
             self._code_cache[key] = unpack_code(blob)
         return self._code_cache[key]
 
     def rollout(self, request: RolloutRequest) -> RolloutResult:
+        with self._hosted_code():
+            return self._rollout(request)
+
+    def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
+        """Play multi-agent games; one episode per game and model-played role."""
+        with self._hosted_code():
+            return self._rollout_multi(request)
+
+    @contextlib.contextmanager
+    def _hosted_code(self):
+        try:
+            yield
+        finally:  # the envs of this rollout are done: the tenant's host may forget them
+            if self.user_code_hosts is not None:
+                self.user_code_hosts.release()
+
+    def _rollout(self, request: RolloutRequest) -> RolloutResult:
         started = time.perf_counter()
         if request.policy != BASE_POLICY:
             self._policy(request.policy)
@@ -311,8 +334,7 @@ class Worker:
         sampled = float(sum(e.mask.sum() for e in episodes))
         return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})
 
-    def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
-        """Play multi-agent games; one episode per game and model-played role."""
+    def _rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
         started = time.perf_counter()
         for seat in request.seats.values():
             if seat.opponent is None and seat.policy not in (None, BASE_POLICY):

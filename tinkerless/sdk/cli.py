@@ -125,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     _serving_limit_flags(serve)
     serve.add_argument("--no-auth", action="store_true", help="accept calls without an API key (trusted networks only)")
     serve.add_argument(
+        "--single-user", action="store_true",
+        help="run clients' env/reward code inside the server process instead of a sandbox per tenant (your own server only)",
+    )
+    serve.add_argument(
         "--api-key-env",
         metavar="NAME",
         help="also accept the API key held in environment variable NAME (tenant 'default'); never pass keys as arguments",
@@ -257,7 +261,7 @@ def _serve(args) -> int:
     serve(
         args.host, args.port, model=args.model, storage=args.storage, auth=not args.no_auth, extra_keys=extra_keys,
         max_request_bytes=args.max_request_bytes, max_pending=args.max_pending,
-        max_pending_per_tenant=args.max_pending_per_tenant, slice_seconds=args.slice_seconds,
+        max_pending_per_tenant=args.max_pending_per_tenant, slice_seconds=args.slice_seconds, single_user=args.single_user,
         limits=ServingLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServingLimits)}),
     )
     return 0

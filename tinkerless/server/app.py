@@ -39,6 +39,7 @@ from tinkerless.server.keys import KeyStore
 from tinkerless.server.limits import LimitExceeded, ServingLimits
 from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
+from tinkerless.functions.user_code import tenant_scope
 from tinkerless.server.tenancy import scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK
@@ -154,7 +155,8 @@ def create_app(
 
         def run() -> tuple[bytes, float]:
             started = time.perf_counter()
-            return worker.handle(method, body), time.perf_counter() - started
+            with tenant_scope(tenant):  # a tenant's env/reward code runs in that tenant's sandbox (user_code.py)
+                return worker.handle(method, body), time.perf_counter() - started
 
         if method in model_free:  # reads no model: never waits behind the queue
             if stream is not None:
@@ -327,11 +329,14 @@ def serve(
     limits: ServingLimits | None = None,
     slice_seconds: float = 0.05,
     log_level: str = "info",
+    single_user: bool = False,
     **worker_options: Any,
 ) -> None:
     """Load `model` into a Worker and serve it until interrupted (binds to localhost unless told otherwise).
 
     With `auth` (the default), calls need an API key issued into `storage` by `tinkerless keys create`.
+    Clients' env/reward/agent code runs in a sandboxed process per tenant (`user_code.py`), never in
+    this one, unless `single_user` (one's own server, e.g. `sky launch` of one's own cluster).
     """
     import uvicorn
 
@@ -339,6 +344,14 @@ def serve(
     from tinkerless.storage import ObjectStore
 
     keys = KeyStore(ObjectStore(storage or "."), extra_keys=extra_keys) if auth else None
+    if not single_user:
+        from tinkerless.functions.user_code import UserCodeHosts
+
+        local_storage = storage or "."
+        hidden = (local_storage,) if "://" not in local_storage else ()  # tenants' code must not see it
+        hosts = UserCodeHosts(hide=hidden)
+        hosts.check()  # no sandbox here: refuse to serve tenants now, naming the fix, rather than fail their rollouts
+        worker_options.setdefault("user_code_hosts", hosts)
     app = create_app(
         Worker(model, **worker_options),
         max_request_bytes=max_request_bytes,

@@ -76,7 +76,7 @@ def run_python(
     if kind == "modal":
         from tinkerless.envs.sandbox.modal_sandbox import run_modal
 
-        return run_modal(code, limits=limits, stdin=stdin)
+        return run_modal(code, limits=limits, stdin=stdin, config=config)
     if not _warned_unsafe.is_set():
         _warned_unsafe.set()
         logger.warning(

@@ -1,4 +1,4 @@
-"""The program the sandboxed interpreter runs first: `python -I -S -B -u -c BOOTSTRAP CONFIG_JSON`.
+"""The program the sandboxed interpreter runs first: `python -I -S -B -u -c BOOTSTRAP CONFIG_LITERAL`.
 
 In order, before any of the user's code:
 
@@ -6,8 +6,10 @@ In order, before any of the user's code:
    CAP_SETUID/CAP_SETGID for this step), drop to the call's own unprivileged uid/gid
    with no supplementary groups, which clears every capability; no_new_privs
    (set by bwrap) keeps them from coming back through exec;
-2. set RLIMIT_NPROC for that uid: the tasks it already has plus `max_processes`;
-3. compile the user's program (a syntax error is an ordinary "error" result);
+2. read the program: a file, stdin (Modal) or, in a sandbox started ahead of time
+   (warm.py), a pipe it waits on;
+3. set the resource limits (RLIMIT_NPROC: the tasks the uid already has plus
+   `max_processes`), then compile the program (a syntax error is an "error" result);
 4. optionally install the audit-hook layer (`sys.addaudithook` plus replaced
    functions) that refuses forbidden operations with a readable message;
 5. run the program as `__main__`, and map an uncaught exception that came from a
@@ -26,15 +28,13 @@ import sys
 
 def _install(config):
     import _thread
-    import mmap
-    import pathlib
     import posix
     import _posixsubprocess
 
     work = config["work"]
     max_processes = config["max_processes"]
     exit_forbidden = config["exit_codes"][0]
-    read_roots = tuple(config["read_roots"])
+    read_roots = tuple(config["read_roots"] or (sys.prefix + "/lib/python%d.%d" % sys.version_info[:2], "/usr/share/zoneinfo"))
     read_files = frozenset(["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/etc/localtime"])
     write_files = frozenset(["/dev/null"])
     max_violations = 16
@@ -43,11 +43,14 @@ def _install(config):
     lstat, readlink, getcwd, getpid = posix.lstat, posix.readlink, posix.getcwd, posix.getpid
     getpgrp, getpgid, write_fd, hard_exit = posix.getpgrp, posix.getpgid, posix.write, posix._exit
     str_join, bytes_join, int_add = "".join, b"".join, int.__add__
-    path_types = frozenset([pathlib.PurePath, pathlib.PurePosixPath, pathlib.Path, pathlib.PosixPath])
-    path_fspath, path_str = pathlib.PurePath.__fspath__, pathlib.PurePath.__str__
+    modules = sys.modules
     no_dir_fd = (None, -1, -100)  # -100 is AT_FDCWD
     violations = [0]
-    slots = mmap.mmap(-1, 8) if max_processes > 0 else None  # shared with forked children
+    slots = None
+    if max_processes > 0:
+        import mmap
+
+        slots = mmap.mmap(-1, 8)  # shared with forked children
 
     class SandboxViolation(PermissionError):
         pass
@@ -76,8 +79,11 @@ def _install(config):
             return bytes_join((path,)).decode("utf-8", "surrogateescape")
         if isinstance(path, int):
             return "/proc/self/fd/%d" % int_add(path, 0)
-        if kind in path_types and kind.__fspath__ is path_fspath and kind.__str__ is path_str:
-            return as_text(path_str(path))
+        # pathlib is imported lazily (it costs ~10 ms of every run's start): a Path can only exist once it is.
+        pathlib = modules.get("pathlib")
+        if pathlib is not None and kind in (pathlib.PurePath, pathlib.PurePosixPath, pathlib.Path, pathlib.PosixPath):
+            if kind.__fspath__ is pathlib.PurePath.__fspath__ and kind.__str__ is pathlib.PurePath.__str__:
+                return as_text(pathlib.PurePath.__str__(path))
         # Another PathLike could answer differently when the real call converts it again.
         deny("paths of type %s are not allowed; pass a str" % kind.__name__)
 
@@ -312,19 +318,35 @@ def _install(config):
     return SandboxViolation
 
 
-def _drop_privileges(config):
+def _drop(config):
+    """Step 1: drop root (bwrap started as root) to this sandbox's own uid, before anything else."""
     import posix
-    import resource
 
     drop_to = config.get("drop_to")
     if drop_to is not None:
         uid, gid = drop_to
-        posix.setgroups([])
-        posix.setresgid(gid, gid, gid)
-        posix.setresuid(uid, uid, uid)
+        if posix.geteuid() == 0:  # (a Modal container may already run unprivileged)
+            posix.setgroups([])
+            posix.setresgid(gid, gid, gid)
+            posix.setresuid(uid, uid, uid)
         if 0 in posix.getresuid() or 0 in posix.getresgid():
             posix.write(2, b"sandbox: could not drop root; refusing to run user code\n")
             posix._exit(125)
+
+
+def _limit(config):
+    import posix
+    import resource
+
+    # Set here rather than in a preexec_fn: Popen can then spawn bwrap with vfork, which stays cheap
+    # in a parent that holds a large model. Lowering a limit needs no privilege; raising it back
+    # needs CAP_SYS_RESOURCE, which nothing in the sandbox has.
+    for name, soft, hard in config.get("rlimits", ()):
+        which = getattr(resource, name)
+        _, current = resource.getrlimit(which)
+        if current != resource.RLIM_INFINITY:
+            soft, hard = min(soft, current), min(hard, current)
+        resource.setrlimit(which, (soft, hard))
     if config.get("nproc") is not None:
         # RLIMIT_NPROC counts every task of this uid; in our own PID namespace /proc shows exactly those.
         uid, own = posix.getuid(), 0
@@ -339,22 +361,65 @@ def _drop_privileges(config):
         resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
 
 
-def _main():
-    import json
+def _show_exception(exc, source, with_traceback):
+    # Imported only when there is something to show: linecache and traceback cost ~10 ms of every start.
     import linecache
-    import posix
     import traceback
 
-    config = json.loads(sys.argv[1])
-    _drop_privileges(config)
-    exit_forbidden, exit_memory, exit_file_size, exit_disk, exit_processes, exit_open_files = config["exit_codes"]
-    with open(config["code"], encoding="utf-8", errors="surrogatepass") as f:
-        source = f.read()
     linecache.cache["main.py"] = (len(source), None, source.splitlines(True), "main.py")
+    traceback.print_exception(exc.__class__, exc, exc.__traceback__ if with_traceback else None)
+
+
+def _receive(fd):
+    """Read "<program bytes> <stdin bytes>\\n", the program and its stdin from `fd`; make the stdin fd 0."""
+    import posix
+
+    def read_exactly(size):
+        chunks = []
+        while size:
+            chunk = posix.read(fd, min(size, 1 << 20))
+            if not chunk:
+                posix._exit(124)  # the parent gave up on this sandbox before using it
+            chunks.append(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
+
+    header = b""
+    while not header.endswith(b"\n"):
+        header += read_exactly(1)
+    program_size, stdin_size = (int(x) for x in header.split())
+    source = read_exactly(program_size).decode("utf-8", "surrogatepass")
+    stdin = posix.memfd_create("stdin")
+    data = read_exactly(stdin_size)
+    while data:
+        data = data[posix.write(stdin, data):]
+    posix.lseek(stdin, 0, 0)
+    posix.dup2(stdin, 0)
+    posix.close(stdin)
+    posix.close(fd)
+    return source
+
+
+def _main():
+    import posix
+
+    # The parent passes a Python literal (str, int, bool, None, lists): eval with no builtins is quicker than json.
+    config = eval(sys.argv[1], {"__builtins__": {}})
+    _drop(config)
+    exit_forbidden, exit_memory, exit_file_size, exit_disk, exit_processes, exit_open_files = config["exit_codes"]
+    if config["code"] is None:  # Modal: the program arrives on stdin ahead of its own input, after its length
+        size = int(sys.stdin.buffer.readline())
+        source = sys.stdin.buffer.read(size).decode("utf-8", "surrogatepass")
+    elif config["code"].startswith("fd:"):  # a sandbox started ahead of time: program and stdin come down a pipe
+        source = _receive(int(config["code"][3:]))
+    else:
+        with open(config["code"], encoding="utf-8", errors="surrogatepass") as f:
+            source = f.read()
+    _limit(config)  # after the wait for the program: a sandbox started ahead of time spends none of its limits idle
     try:
         code = compile(source, "main.py", "exec")
     except (SyntaxError, ValueError) as exc:
-        traceback.print_exception(exc.__class__, exc, None)
+        _show_exception(exc, source, False)
         posix._exit(1)
     violation = _install(config) if config["audit_hook"] else None
     sys.argv = ["main.py"]
@@ -364,7 +429,7 @@ def _main():
     main.__file__ = "main.py"
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
-    del config, source
+    del config
     try:
         exec(code, main.__dict__)
     except SystemExit:
@@ -386,7 +451,7 @@ def _main():
             status = exit_open_files
         try:
             _strip_bootstrap(exc)
-            traceback.print_exception(exc.__class__, exc, exc.__traceback__)
+            _show_exception(exc, source, True)
         except BaseException:
             posix.write(2, ("%s\n" % exc.__class__.__name__).encode())
         try:

@@ -16,36 +16,31 @@ Each call gets, from the kernel:
   and its dependencies);
 - a size-capped tmpfs at /tmp as work dir and HOME, gone with the mount namespace;
 - the seccomp filter of `seccomp_filter.py`;
-- RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE set before bwrap
-  starts (inherited by everything inside) and RLIMIT_NPROC set by the bootstrap for
-  the sandbox's own uid; output bounded by the parent.
+- RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE and RLIMIT_NPROC
+  (for the sandbox's own uid), set by the bootstrap before any user code and
+  inherited by everything it starts; output bounded by the parent.
 
 The audit-hook layer of `bootstrap.py` runs inside as an extra layer with readable refusals.
 """
 
 from __future__ import annotations
 
-import functools
-import json
+import contextlib
 import os
-import re
-import resource
 import shutil
 import subprocess
-import sys
-import sysconfig
-from dataclasses import dataclass, field
-from typing import Iterator
+import time
 
+from tinkerless.envs.sandbox import warm
 from tinkerless.envs.sandbox.bootstrap import BOOTSTRAP
-from tinkerless.envs.sandbox.limits import SandboxLimits, SandboxResult, SandboxUnavailable
-from tinkerless.envs.sandbox.process_unsafe import rlimit_settings
+from tinkerless.envs.sandbox.layout import CODE_PATH, TOOL_PROFILE, Profile, layout
+from tinkerless.envs.sandbox.limits import BOOTSTRAP_EXIT_CODES, SandboxLimits, SandboxResult, SandboxUnavailable, rlimit_values
 from tinkerless.envs.sandbox.seccomp_filter import compiled_filter
-from tinkerless.envs.sandbox.supervise import supervise
+from tinkerless.envs.sandbox.supervise import supervise, watch
 from tinkerless.envs.sandbox.uid_pool import lease_uid
+from tinkerless.errors import ConfigError
 
 WORK_DIR = "/tmp"
-CODE_PATH = "/sandbox/main.py"
 NOBODY = 65534
 INSTALL_HINT = (
     "install bubblewrap (`apt-get install bubblewrap`; scripts/install.sh does it) and run the worker as root or "
@@ -53,20 +48,6 @@ INSTALL_HINT = (
     "user.max_user_namespaces > 0); on Modal use sandbox='modal'. Only for code you trust: sandbox='process-unsafe'. "
     "See docs/sandbox.md"
 )
-ZONEINFO = ("/usr/share/zoneinfo",)
-
-
-@dataclass(frozen=True)
-class Profile:
-    """What a sandbox sees besides the interpreter and its standard library."""
-
-    name: str = "tool"
-    read_only: tuple[str, ...] = ()  # extra host paths mounted read-only at the same place
-    python_path: tuple[str, ...] = ()  # put on sys.path (e.g. the tinkerless source and a venv's site-packages)
-    hide: tuple[str, ...] = field(default=())  # paths inside those mounts to cover with an empty read-only tmpfs
-
-
-TOOL_PROFILE = Profile()
 
 
 def bwrap_path() -> str:
@@ -78,8 +59,69 @@ def bwrap_path() -> str:
 
 def run_bwrap(code: str, *, limits: SandboxLimits, stdin: str, config: dict, profile: Profile = TOOL_PROFILE) -> SandboxResult:
     """Run `code` in a fresh bubblewrap sandbox; SandboxUnavailable if bubblewrap cannot run here."""
-    _check_available(profile)
-    return _run(code, limits=limits, stdin=stdin, config=config, profile=profile)
+    if limits.network:
+        raise ConfigError(
+            "SandboxLimits(network=True) cannot be granted by the bubblewrap sandbox: it has no network at all",
+            hint="use sandbox='modal' for tool code that needs the network",
+        )
+    bwrap_path()  # every call: a missing bwrap is reported even where a sandbox is still ready
+    check_available(profile)
+    key = (profile, limits, bool(config.get("audit_hook")), os.geteuid() == 0)
+    ready = warm.take(key)
+    result = _run_ready(ready, code, stdin, limits) if ready is not None else None
+    if result is None:
+        result = _run(code, limits=limits, stdin=stdin, config=config, profile=profile)
+    warm.prepare(key, lambda: _start_ready(profile, limits, config))
+    return result
+
+
+def _start_ready(profile: Profile, limits: SandboxLimits, config: dict) -> warm.Ready:
+    """A sandbox whose interpreter waits for its program on a pipe (see warm.py)."""
+    as_root = os.geteuid() == 0
+    lease = contextlib.ExitStack()
+    uid = lease.enter_context(_leased_uid(as_root))
+    program_r, program_w = os.pipe()
+    os.set_inheritable(program_w, False)
+    seccomp_fd = _memfd("seccomp", compiled_filter())
+    try:
+        config = {
+            **config,
+            "work": WORK_DIR,
+            "code": f"fd:{program_r}",
+            "read_roots": list(layout(profile).read_roots),
+            "drop_to": [uid, uid] if as_root else None,
+            "nproc": limits.max_processes,
+            "rlimits": rlimit_values(limits),
+        }
+        argv = _argv(profile, limits, as_root, seccomp_fd, None, config)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin"},
+            pass_fds=(seccomp_fd, program_r), start_new_session=True,
+        )
+    except BaseException:
+        os.close(program_w)
+        lease.close()
+        raise
+    finally:
+        os.close(seccomp_fd)
+        os.close(program_r)
+    return warm.Ready(proc, program_w, lease)
+
+
+def _run_ready(ready: warm.Ready, code: str, stdin: str, limits: SandboxLimits) -> SandboxResult | None:
+    """Run `code` in a sandbox started ahead of time; None if it turned out to be unusable."""
+    program = code.encode("utf-8", "surrogatepass")
+    data = stdin.encode("utf-8", "replace")
+    try:
+        _write_all(ready.program_fd, b"%d %d\n" % (len(program), len(data)) + program + data)
+        os.close(ready.program_fd)
+    except OSError:
+        ready.discard()
+        return None
+    try:
+        return watch(ready.proc, kind="bwrap", limits=limits, started=time.monotonic(), cpu_reported=False)
+    finally:
+        ready.lease.close()
 
 
 def _run(code: str, *, limits: SandboxLimits, stdin: str, config: dict, profile: Profile) -> SandboxResult:
@@ -93,25 +135,74 @@ def _run(code: str, *, limits: SandboxLimits, stdin: str, config: dict, profile:
                 **config,
                 "work": WORK_DIR,
                 "code": CODE_PATH,
-                "read_roots": list(_layout(profile).read_roots),
+                "read_roots": list(layout(profile).read_roots),
                 "drop_to": [uid, uid] if as_root else None,
                 "nproc": limits.max_processes,
+                "rlimits": rlimit_values(limits),
             }
             argv = _argv(profile, limits, as_root, seccomp_fd, code_fd, config)
-            settings = rlimit_settings(limits)
-            setrlimit = resource.setrlimit
-
-            def preexec() -> None:
-                for which, value in settings:
-                    setrlimit(which, value)
-
             return supervise(
                 argv, kind="bwrap", limits=limits, stdin_fd=stdin_fd, env={"PATH": "/usr/bin:/bin"},
-                pass_fds=(seccomp_fd, code_fd), preexec=preexec, cpu_reported=False,
+                pass_fds=(seccomp_fd, code_fd), cpu_reported=False,
             )
         finally:
             for fd in (seccomp_fd, code_fd, stdin_fd):
                 os.close(fd)
+
+
+class SpawnedSandbox:
+    """A long-lived process in a bubblewrap sandbox (a tenant's code host): the Popen, and the uid it holds."""
+
+    def __init__(self, proc: subprocess.Popen, lease: contextlib.ExitStack):
+        self.proc = proc
+        self._lease = lease
+
+    def kill(self) -> None:
+        """SIGKILL bwrap (its PID namespace dies with it), reap it, give its uid back."""
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._lease.close()
+
+
+def spawn(code: str, *, limits: SandboxLimits, profile: Profile, pass_fds: tuple[int, ...], stderr: int) -> SpawnedSandbox:
+    """Start `code` in a bubblewrap sandbox and return at once; the caller talks to it over `pass_fds`.
+
+    Same confinement as `run_bwrap` (limits too, set by the bootstrap), without the audit hook;
+    the caller bounds each exchange in time and kills the sandbox when done.
+    """
+    check_available(profile)
+    as_root = os.geteuid() == 0
+    lease = contextlib.ExitStack()
+    uid = lease.enter_context(_leased_uid(as_root))
+    seccomp_fd = _memfd("seccomp", compiled_filter())
+    code_fd = _memfd("code", code.encode("utf-8", "surrogatepass"))
+    try:
+        config = {
+            "max_processes": limits.max_processes,
+            "exit_codes": sorted(BOOTSTRAP_EXIT_CODES),
+            "audit_hook": False,
+            "work": WORK_DIR,
+            "code": CODE_PATH,
+            "read_roots": list(layout(profile).read_roots),
+            "drop_to": [uid, uid] if as_root else None,
+            "nproc": limits.max_processes,
+            "rlimits": rlimit_values(limits),
+        }
+        argv = _argv(profile, limits, as_root, seccomp_fd, code_fd, config)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env={"PATH": "/usr/bin:/bin"},
+            pass_fds=(seccomp_fd, code_fd, *pass_fds), start_new_session=True,
+        )
+    except BaseException:
+        lease.close()
+        raise
+    finally:
+        os.close(seccomp_fd)
+        os.close(code_fd)
+    return SpawnedSandbox(proc, lease)
 
 
 def _leased_uid(as_root: bool):
@@ -144,8 +235,8 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: int, code_fd: int, config: dict) -> list[str]:
-    layout = _layout(profile)
+def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: int, code_fd: int | None, config: dict) -> list[str]:
+    root = layout(profile)
     argv = [bwrap_path(), "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL"]
     if as_root:
@@ -154,133 +245,27 @@ def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: in
     else:
         argv += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns"]
     argv += ["--seccomp", str(seccomp_fd)]
-    argv += layout.mounts
+    argv += root.mounts
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--perms", "1777", "--size", str(int(limits.disk_bytes)), "--tmpfs", WORK_DIR]
-    argv += ["--perms", "0444", "--ro-bind-data", str(code_fd), CODE_PATH]
+    if code_fd is not None:  # (a sandbox started ahead of time gets its program down a pipe instead)
+        argv += ["--perms", "0444", "--ro-bind-data", str(code_fd), CODE_PATH]
     env = {"HOME": WORK_DIR, "TMPDIR": WORK_DIR, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC", "PATH": "/usr/bin:/bin"}
     if profile.python_path:
         env["PYTHONPATH"] = os.pathsep.join(profile.python_path)
     argv += ["--chdir", WORK_DIR, "--clearenv"]
     for key, value in env.items():
         argv += ["--setenv", key, value]
-    # -I ignores PYTHONPATH: a profile with python_path runs without -I but keeps -s (no user site) and -E off.
+    # -I ignores PYTHONPATH: a profile with python_path runs without -I, keeping -s (no user site) and -P (no script dir).
     flags = ["-I"] if not profile.python_path else ["-s", "-P"]
-    argv += ["--", layout.interpreter, *flags, "-S", "-B", "-u", "-X", "utf8", "-c", BOOTSTRAP, json.dumps(config)]
+    argv += ["--", root.interpreter, *flags, "-S", "-B", "-u", "-X", "utf8", "-c", BOOTSTRAP, repr(config)]
     return argv
-
-
-@dataclass(frozen=True)
-class _Layout:
-    interpreter: str
-    mounts: list[str]
-    read_roots: tuple[str, ...]
-
-
-@functools.lru_cache(maxsize=8)
-def _layout(profile: Profile) -> _Layout:
-    """The read-only mounts for a profile, computed once per process (it runs ldd once)."""
-    interpreter = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-    stdlib_dirs = {os.path.realpath(p) for p in (*_base_paths("stdlib", "platstdlib"), os.path.dirname(os.__file__)) if p}
-    binds: set[str] = {interpreter, *stdlib_dirs}
-    symlinks: dict[str, str] = {}
-    libraries = _shared_libraries([interpreter, *_extension_modules(stdlib_dirs)])
-    for library in libraries:
-        for path in (os.path.dirname(library), os.path.dirname(os.path.realpath(library))):
-            binds.add(_mirror(path, symlinks))
-    for path in ("/etc/ld.so.cache", *ZONEINFO, *profile.read_only):
-        if os.path.exists(path):
-            binds.add(_mirror(path, symlinks))
-    binds = _outermost(binds)
-    mounts: list[str] = []
-    # bwrap would create the parents of mount points with mode 0700, unreadable for the sandbox's uid.
-    for parent in _parents([*binds, *symlinks, CODE_PATH]):
-        mounts += ["--perms", "0755", "--dir", parent]
-    for path in sorted(binds):
-        mounts += ["--ro-bind", path, path]
-    for link, target in sorted(symlinks.items()):
-        if not any(link == b or link.startswith(b.rstrip("/") + "/") for b in binds):
-            mounts += ["--symlink", target, link]
-    hidden = set(profile.hide) | {p for p in _site_packages() if any(p.startswith(d + "/") for d in stdlib_dirs)}
-    hidden -= {os.path.realpath(p) for p in profile.python_path}
-    for path in sorted(hidden):
-        if os.path.isdir(path):
-            mounts += ["--tmpfs", path, "--remount-ro", path]
-    read_roots = tuple(sorted(stdlib_dirs | set(ZONEINFO) | {os.path.realpath(p) for p in (*profile.read_only, *profile.python_path)}))
-    return _Layout(interpreter=interpreter, mounts=mounts, read_roots=read_roots)
-
-
-def _mirror(path: str, symlinks: dict[str, str]) -> str:
-    """Record the symlinks along `path` (so it resolves inside as outside); return its real path to bind."""
-    current = "/"
-    for part in [p for p in os.path.abspath(path).split("/") if p]:
-        candidate = os.path.join(current, part)
-        if os.path.islink(candidate):
-            symlinks[candidate] = os.readlink(candidate)
-            current = _mirror(os.path.realpath(candidate), symlinks) if os.path.realpath(candidate) != candidate else candidate
-        else:
-            current = candidate
-    return os.path.realpath(path)
-
-
-def _parents(paths: list[str]) -> list[str]:
-    """Every ancestor directory of `paths` (not "/"), outer ones first."""
-    found = {os.path.dirname(p.rstrip("/")) for p in paths}
-    for path in list(found):
-        while path not in ("/", ""):
-            found.add(path)
-            path = os.path.dirname(path)
-    found.discard("/")
-    found.discard("")
-    return sorted(found, key=lambda p: (p.count("/"), p))
-
-
-def _outermost(paths: set[str]) -> set[str]:
-    """Drop paths inside another path of the set: binding the outer one already covers them."""
-    kept: set[str] = set()
-    for path in sorted(paths, key=len):
-        if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
-            kept.add(path)
-    return kept
-
-
-def _extension_modules(stdlib_dirs: set[str]) -> list[str]:
-    found = []
-    for directory in stdlib_dirs:
-        dynload = os.path.join(directory, "lib-dynload")
-        if os.path.isdir(dynload):
-            found += [os.path.join(dynload, name) for name in os.listdir(dynload) if name.endswith(".so")]
-    return found
-
-
-_LDD_LINE = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x[0-9a-f]+\)")
-
-
-def _shared_libraries(binaries: list[str]) -> set[str]:
-    try:
-        done = subprocess.run(["ldd", *binaries], capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SandboxUnavailable(f"cannot list the interpreter's shared libraries with ldd: {exc}", hint="install libc-bin (ldd)") from exc
-    return {match.group(1) for match in _LDD_LINE.finditer(done.stdout)}
-
-
-def _base_paths(*keys: str) -> Iterator[str]:
-    """sysconfig paths of the base interpreter (in a venv, sysconfig alone answers with the venv's)."""
-    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
-    for key in keys:
-        path = sysconfig.get_path(key, vars=base)
-        if path:
-            yield os.path.realpath(path)
-
-
-def _site_packages() -> Iterator[str]:
-    return _base_paths("purelib", "platlib")
 
 
 _available: set[Profile] = set()
 
 
-def _check_available(profile: Profile) -> None:
+def check_available(profile: Profile) -> None:
     """Run a trivial program once per process and profile; SandboxUnavailable with bwrap's own message if it fails."""
     if profile in _available:
         return
@@ -293,9 +278,7 @@ def _check_available(profile: Profile) -> None:
 
 
 def _probe_config() -> dict:
-    from tinkerless.envs.sandbox.limits import BOOTSTRAP_EXIT_CODES
-
     return {"max_processes": 0, "exit_codes": sorted(BOOTSTRAP_EXIT_CODES), "audit_hook": False}
 
 
-__all__ = ["INSTALL_HINT", "Profile", "TOOL_PROFILE", "bwrap_path", "run_bwrap"]
+__all__ = ["INSTALL_HINT", "Profile", "SpawnedSandbox", "TOOL_PROFILE", "bwrap_path", "check_available", "run_bwrap", "spawn"]

@@ -82,6 +82,19 @@ class SandboxResult:
     sandbox: str = ""  # which kind ran it: "bwrap", "modal" or "process-unsafe"
 
 
+def rlimit_values(limits: SandboxLimits) -> list[tuple[str, int, int]]:
+    """The per-process resource limits, as (RLIMIT name, soft, hard): the soft CPU limit sends SIGXCPU, the hard
+    one (a second later) SIGKILL for a program that catches SIGXCPU."""
+    cpu = limits.cpu_limit
+    return [
+        ("RLIMIT_CPU", cpu, cpu + 1),
+        ("RLIMIT_AS", int(limits.memory_bytes), int(limits.memory_bytes)),
+        ("RLIMIT_FSIZE", int(limits.max_file_bytes), int(limits.max_file_bytes)),
+        ("RLIMIT_CORE", 0, 0),
+        ("RLIMIT_NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES),
+    ]
+
+
 def reason_for(exit_code: int, timed_out: bool, cpu: float | None, limits: SandboxLimits, seconds: float = 0.0) -> str:
     """Why a run ended, from its exit status, whether the wall clock stopped it and the CPU it used.
 
@@ -110,4 +123,4 @@ def reason_for(exit_code: int, timed_out: bool, cpu: float | None, limits: Sandb
     return BOOTSTRAP_EXIT_CODES.get(exit_code, "error")
 
 
-__all__ = ["REASONS", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "reason_for"]
+__all__ = ["REASONS", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "reason_for", "rlimit_values"]

@@ -19,7 +19,7 @@ import tempfile
 from typing import Callable
 
 from tinkerless.envs.sandbox.bootstrap import BOOTSTRAP
-from tinkerless.envs.sandbox.limits import MAX_OPEN_FILES, SandboxLimits, SandboxResult
+from tinkerless.envs.sandbox.limits import SandboxLimits, SandboxResult, rlimit_values
 from tinkerless.envs.sandbox.supervise import supervise
 
 _CLONE_NEWNET = 0x40000000
@@ -37,7 +37,7 @@ def run_process_unsafe(code: str, *, limits: SandboxLimits, stdin: str, config: 
         with open(stdin_path, "w", encoding="utf-8", errors="replace") as f:
             f.write(stdin)
         config = {**config, "work": os.path.realpath(work), "code": code_path, "read_roots": read_roots()}
-        argv = [sys.executable, "-I", "-S", "-B", "-u", "-X", "utf8", "-c", BOOTSTRAP, _json(config)]
+        argv = [sys.executable, "-I", "-S", "-B", "-u", "-X", "utf8", "-c", BOOTSTRAP, repr(config)]
         env = {"PATH": "/usr/bin:/bin", "HOME": config["work"], "TMPDIR": config["work"], "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         with open(stdin_path, "rb") as stdin_file:
             return supervise(
@@ -46,12 +46,6 @@ def run_process_unsafe(code: str, *, limits: SandboxLimits, stdin: str, config: 
             )
     finally:
         _remove_tree(root)
-
-
-def _json(config: dict) -> str:
-    import json
-
-    return json.dumps(config)
 
 
 def _make_preexec(limits: SandboxLimits) -> Callable[[], None]:
@@ -73,15 +67,8 @@ def _make_preexec(limits: SandboxLimits) -> Callable[[], None]:
 
 
 def rlimit_settings(limits: SandboxLimits) -> list[tuple[int, tuple[int, int]]]:
-    """The per-process resource limits every sandbox kind sets before it starts the interpreter."""
-    cpu = limits.cpu_limit
-    return [
-        (resource.RLIMIT_CPU, _clamp(resource.RLIMIT_CPU, cpu, cpu + 1)),
-        (resource.RLIMIT_AS, _clamp(resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes)),
-        (resource.RLIMIT_FSIZE, _clamp(resource.RLIMIT_FSIZE, limits.max_file_bytes, limits.max_file_bytes)),
-        (resource.RLIMIT_CORE, (0, 0)),
-        (resource.RLIMIT_NOFILE, _clamp(resource.RLIMIT_NOFILE, MAX_OPEN_FILES, MAX_OPEN_FILES)),
-    ]
+    """The per-process resource limits, for setrlimit in preexec_fn."""
+    return [(getattr(resource, name), _clamp(getattr(resource, name), soft, hard)) for name, soft, hard in rlimit_values(limits)]
 
 
 def _clamp(which: int, soft: int, hard: int) -> tuple[int, int]:
@@ -167,4 +154,4 @@ def _remove_tree(root: str) -> None:
         pass
 
 
-__all__ = ["read_roots", "rlimit_settings", "run_process_unsafe"]
+__all__ = ["read_roots", "run_process_unsafe"]

@@ -58,7 +58,6 @@ def supervise(
     `cpu_reported`: whether the reaped process's rusage includes the sandbox's CPU time.
     """
     started = time.monotonic()
-    deadline = started + limits.wall_seconds
     try:
         proc = subprocess.Popen(
             list(argv),
@@ -76,6 +75,14 @@ def supervise(
             f"cannot start the {kind} sandbox ({argv[0]}): {exc}",
             hint="see docs/sandbox.md for what the sandbox needs (bubblewrap, user namespaces or root)",
         ) from exc
+    return watch(proc, kind=kind, limits=limits, started=started, kill_group=kill_group, cpu_reported=cpu_reported)
+
+
+def watch(
+    proc: subprocess.Popen, *, kind: str, limits: SandboxLimits, started: float, kill_group: bool = False, cpu_reported: bool = True
+) -> SandboxResult:
+    """Supervise an already started sandbox (stdout and stderr piped) from `started` on; see `supervise`."""
+    deadline = started + limits.wall_seconds
     out_capture, err_capture = Capture(limits.max_output_bytes), Capture(limits.max_output_bytes)
     streams = {proc.stdout.fileno(): out_capture, proc.stderr.fileno(): err_capture}
     kill = _kill_group if kill_group else _kill_process
@@ -163,4 +170,4 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-__all__ = ["Capture", "supervise"]
+__all__ = ["Capture", "supervise", "watch"]
