@@ -203,8 +203,8 @@ def test_checkpoints_round_trip_with_optimizer_state(service, server):
 
 def test_an_unknown_loss_is_a_clean_user_error(service, server):
     training = service.create_lora_training_client(base_model=server["model"], rank=4).result()
-    with pytest.raises(tinker.RequestFailedError, match="unsupported loss_fn 'dro'"):
-        training.forward_backward(SFT_DATA, "dro").result(timeout=60)
+    with pytest.raises(tinker.RequestFailedError, match="unsupported loss_fn 'gspo'"):
+        training.forward_backward(SFT_DATA, "gspo").result(timeout=60)
 
 
 def test_a_bad_base_model_is_a_clean_user_error(service):
