@@ -274,7 +274,7 @@ def test_unsupported_sampling_options_and_optimizers_are_refused_clearly(service
     sampler = service.create_sampling_client(base_model=server["model"]).result()
     with pytest.raises(tinker.TinkerError, match="not supported"):
         sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
-                       topk_prompt_logprobs=2).result(timeout=60)
+                       topk_sample_logprobs=2).result(timeout=60)
 
 
 def test_saving_over_a_name_replaces_it_and_a_corrupt_checkpoint_is_refused(service, server):

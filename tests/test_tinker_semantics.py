@@ -121,7 +121,16 @@ def sample(server, **options) -> types.SampleResponse:
                           **options).result()
 
 
-def test_prompt_logprobs_topk_and_last_n_match_a_forward_pass(server, reference):
+@pytest.fixture(params=[256, 3], ids=["one-chunk", "chunks-of-3"])
+def row_chunk(request, monkeypatch):
+    """The server scores prompt positions in row chunks; a chunk of 3 splits this prompt's 7 rows unevenly."""
+    from tinkerless.server.tinker_api import prompt_scores
+
+    monkeypatch.setattr(prompt_scores, "_ROW_CHUNK", request.param)
+    return request.param
+
+
+def test_prompt_logprobs_topk_and_last_n_match_a_forward_pass(server, reference, row_chunk):
     n = len(TOKENS)
     truth = reference[np.arange(n - 1), TOKENS[1:]]
     full = sample(server, include_prompt_logprobs=True, topk_prompt_logprobs=3)
@@ -138,7 +147,7 @@ def test_prompt_logprobs_topk_and_last_n_match_a_forward_pass(server, reference)
     assert last.topk_prompt_logprobs[:-3] == [None] * (n - 3) and all(last.topk_prompt_logprobs[-3:])
 
 
-def test_target_prompt_logprobs_dense_and_sparse(server, reference):
+def test_target_prompt_logprobs_dense_and_sparse(server, reference, row_chunk):
     n = len(TOKENS)
     targets = np.full((n - 1, 2), -1, np.int64)
     targets[:, 0] = TOKENS[1:]
@@ -158,7 +167,7 @@ def test_target_prompt_logprobs_dense_and_sparse(server, reference):
     np.testing.assert_allclose(answer.data, reference[rows, 77], atol=1e-4)
 
 
-def test_prompt_alt_tokens_are_seeded_draws_with_true_logprobs(server, reference):
+def test_prompt_alt_tokens_are_seeded_draws_with_true_logprobs(server, reference, row_chunk):
     first = sample(server, prompt_alt_tokens_k=4).prompt_alt_tokens
     tokens, logprobs = first.tokens.to_numpy(), first.logprobs.to_numpy()
     assert tokens.shape == logprobs.shape == (len(TOKENS) - 1, 4)

@@ -136,9 +136,7 @@ class CheckpointRegistry:
             with contextlib.suppress(StorageNotFound):
                 self.store.delete(key)
             return
-        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not MIN_TTL_SECONDS <= ttl_seconds <= MAX_TTL_SECONDS:
-            raise UserError(f"ttl_seconds={ttl_seconds!r} is out of range",
-                            hint=f"use {MIN_TTL_SECONDS} (1 hour) to {MAX_TTL_SECONDS} (10 years), or null for no expiry")
+        check_ttl(ttl_seconds)
         when = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=ttl_seconds)
         self.store.put(key, json.dumps({"expires_at": when.isoformat()}).encode())
 
@@ -169,6 +167,12 @@ class CheckpointRegistry:
         self.store.delete(f"{checkpoint.prefix}/{LATEST}")  # first: a half-deleted checkpoint is never loadable
         self.store.delete(checkpoint.prefix)
         return True
+
+
+def check_ttl(ttl_seconds) -> None:
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not MIN_TTL_SECONDS <= ttl_seconds <= MAX_TTL_SECONDS:
+        raise UserError(f"ttl_seconds={ttl_seconds!r} is out of range",
+                        hint=f"use {MIN_TTL_SECONDS} (1 hour) to {MAX_TTL_SECONDS} (10 years), or null for no expiry")
 
 
 @contextlib.contextmanager

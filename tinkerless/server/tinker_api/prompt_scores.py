@@ -21,6 +21,7 @@ from tinkerless.errors import UserError
 
 MAX_PROMPT_K = 1024  # top-k / target columns / alternative draws per position
 TOPK_EMPTY_LOGPROB = -99999.0  # the SDK's sentinel for an empty top-k cell (token id 0)
+_ROW_CHUNK = 256  # prompt positions per log-softmax
 
 
 @dataclass
@@ -63,35 +64,52 @@ class PromptScoring:
 
         with torch.no_grad(), worker._activate(policy):  # the worker's adapter switch, as its forward() uses it
             device = next(worker.model.parameters()).device
-            logits = worker.model(input_ids=torch.tensor([prompt], device=device)).logits[0, :-1].float()
-        logsoftmax = torch.log_softmax(logits, dim=-1)  # row i: distribution over prompt[i + 1]
-        scored_from = 0 if self.last_n is None else len(prompt) - 1 - self.last_n  # first scored row
+            logits = worker.model(input_ids=torch.tensor([prompt], device=device)).logits[0, :-1]
+        rows = len(prompt) - 1  # row i: the distribution over prompt[i + 1]
+        scored_from = 0 if self.last_n is None else rows - self.last_n
+        logprobs = np.full(rows, np.nan, np.float32)
+        top_ids = np.zeros((len(prompt), self.topk), np.int32)
+        top_lps = np.full((len(prompt), self.topk), TOPK_EMPTY_LOGPROB, np.float32)
+        targets = None if self.targets is None else np.zeros(self.targets.shape, np.float32)
+        alt_tokens = np.zeros((rows, self.alt_k), np.int64)
+        alt_lps = np.zeros((rows, self.alt_k), np.float32)
+        generator = torch.Generator(device="cpu").manual_seed(int(seed))
+        following = torch.tensor(prompt[1:], device=device)
+        # In row chunks: a full [len(prompt), vocab] log-softmax next to the logits would double the peak memory.
+        for start in range(0, rows, _ROW_CHUNK):
+            end = min(rows, start + _ROW_CHUNK)
+            chunk = logits[start:end].float()
+            logsoftmax = torch.log_softmax(chunk, dim=-1)
+            if self.logprobs:
+                logprobs[start:end] = logsoftmax.gather(1, following[start:end, None])[:, 0].cpu().numpy()
+            if self.topk:
+                top = logsoftmax.topk(self.topk, dim=-1)
+                top_ids[1 + start:1 + end] = top.indices.cpu().numpy()
+                top_lps[1 + start:1 + end] = top.values.cpu().numpy()
+            if targets is not None:
+                asked = torch.as_tensor(self.targets[start:end], device=device)
+                targets[start:end] = logsoftmax.gather(1, asked.clamp(min=0)).cpu().numpy()
+            if self.alt_k:
+                if temperature > 0:
+                    probs = torch.softmax(chunk.cpu() / temperature, dim=-1)
+                    draws = torch.multinomial(probs, self.alt_k, replacement=True, generator=generator)
+                else:  # greedy: every draw is the argmax
+                    draws = chunk.cpu().argmax(dim=-1, keepdim=True).expand(-1, self.alt_k)
+                alt_tokens[start:end] = draws.numpy()
+                alt_lps[start:end] = logsoftmax.cpu().gather(1, draws).numpy()
         out: dict = {}
         if self.logprobs:
-            values = logsoftmax.gather(1, torch.tensor(prompt[1:], device=device)[:, None])[:, 0].cpu().numpy()
-            values[:scored_from] = np.nan
-            out["prompt_logprobs"] = np.concatenate([[np.nan], values]).astype(np.float32)
+            logprobs[:scored_from] = np.nan
+            out["prompt_logprobs"] = np.concatenate([[np.nan], logprobs]).astype(np.float32)
         if self.topk:
-            top = logsoftmax.topk(self.topk, dim=-1)
-            ids = np.zeros((len(prompt), self.topk), np.int32)
-            lps = np.full((len(prompt), self.topk), TOPK_EMPTY_LOGPROB, np.float32)
-            ids[1 + scored_from:] = top.indices[scored_from:].cpu().numpy()
-            lps[1 + scored_from:] = top.values[scored_from:].cpu().numpy()
-            out["topk_prompt_logprobs"] = (ids, lps)
-        if self.targets is not None:
-            asked = torch.as_tensor(self.targets, device=device)
-            values = logsoftmax.gather(1, asked.clamp(min=0)).cpu().numpy()
-            values[self.targets < 0] = 0.0  # the SDK's documented value for a cell that asked nothing
-            out["target_prompt_logprobs"] = (values.astype(np.float32), self.target_csr)
+            top_ids[1:1 + scored_from] = 0
+            top_lps[1:1 + scored_from] = TOPK_EMPTY_LOGPROB
+            out["topk_prompt_logprobs"] = (top_ids, top_lps)
+        if targets is not None:
+            targets[self.targets < 0] = 0.0  # the SDK's documented value for a cell that asked nothing
+            out["target_prompt_logprobs"] = (targets, self.target_csr)
         if self.alt_k:
-            generator = torch.Generator(device="cpu").manual_seed(int(seed))
-            if temperature > 0:
-                probs = torch.softmax(logits.cpu() / temperature, dim=-1)
-                draws = torch.multinomial(probs, self.alt_k, replacement=True, generator=generator)
-            else:  # greedy: every draw is the argmax
-                draws = logits.cpu().argmax(dim=-1, keepdim=True).expand(-1, self.alt_k)
-            values = logsoftmax.cpu().gather(1, draws)
-            out["prompt_alt_tokens"] = (draws.numpy().astype(np.int64), values.numpy().astype(np.float32))
+            out["prompt_alt_tokens"] = (alt_tokens, alt_lps)
         return out
 
 

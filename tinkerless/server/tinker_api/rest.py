@@ -31,7 +31,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from tinkerless.errors import UserError
-from tinkerless.server.tinker_api.checkpoints import TinkerPath, check_name
+from tinkerless.server.tinker_api.checkpoints import TinkerPath, check_name, check_ttl
 from tinkerless.wire.messages import SaveStateRequest
 
 URL_LIFETIME = dt.timedelta(hours=1)  # how long a signed download URL stays valid
@@ -104,6 +104,8 @@ class RestSurface:
         model = service.model(tenant, body["model_id"])
         path = TinkerPath(model.model_id, "external_weights", check_name(body["path"]))
         ttl = body.get("ttl_seconds")
+        if ttl is not None:
+            check_ttl(ttl)  # before queueing: a refused export must not be half-made
         if body.get("age_encryption_recipients"):
             raise UserError("age-encrypted exports are not supported by this server", hint="leave age_encryption_recipients unset")
 

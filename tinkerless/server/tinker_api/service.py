@@ -359,7 +359,11 @@ class TinkerService:
         if model_path is not None:
             path = TinkerPath.parse(model_path)
             meta = self.registry.info(tenant, path)  # fails now, clearly, if it does not exist
-            return Sampler(sampler_id, tenant, meta.get("base_model", self.base_model), model_path=model_path)
+            from tinkerless.functions.models import public_model_id
+
+            # Checkpoints written before Hub ids were advertised may name an alias: answer with the id.
+            base = public_model_id(meta.get("base_model") or self.base_model)
+            return Sampler(sampler_id, tenant, base, model_path=model_path)
         if base_model is None:
             raise UserError("sampling needs a model_path or a base_model")
         self._check_base_model(base_model)
