@@ -96,6 +96,9 @@ def test_cli_lists_runs_and_checkpoints(server, trained):
     listed = json.loads(cli(server, server["alice"], "--format", "json", "checkpoint", "list").stdout)
     paths = {c["tinker_path"] for c in listed["checkpoints"]}
     assert {trained["state"], trained["sampler"]} <= paths
+    per_run = json.loads(cli(server, server["alice"], "--format", "json", "checkpoint", "list",
+                             "--run-id", trained["run_id"]).stdout)
+    assert {c["tinker_path"] for c in per_run["checkpoints"]} >= {trained["state"], trained["sampler"]}
     runs = json.loads(cli(server, server["alice"], "--format", "json", "run", "list").stdout)
     assert trained["run_id"] in {r["training_run_id"] for r in runs["runs"]}
 

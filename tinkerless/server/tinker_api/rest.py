@@ -49,7 +49,7 @@ class RestSurface:
 
     def _session_ids(self, tenant: str) -> list[str]:
         """This tenant's sessions: live ones and those whose runs survive in storage, oldest first."""
-        ids = [sid for sid, record in self.service.sessions.items() if record["tenant"] == tenant]
+        ids = [sid for sid, record in list(self.service.sessions.items()) if record["tenant"] == tenant]
         for run in self.service.training_runs(tenant):
             session = run["training_run_id"].split(":train:")[0]
             if session not in ids:

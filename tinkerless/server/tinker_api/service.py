@@ -461,7 +461,7 @@ class TinkerService:
 
     def training_runs(self, tenant: str) -> list[dict]:
         stored = {r["training_run_id"]: r for r in self.registry.list_runs(tenant)}
-        for model in self.models.values():
+        for model in list(self.models.values()):  # a copy: other threads register models
             if model.tenant == tenant:
                 stored[model.model_id] = model.record()
         return sorted(stored.values(), key=lambda r: r.get("created_at", ""))
