@@ -172,3 +172,15 @@ def test_smollm2_by_hub_id_from_a_client_with_its_own_cache(tmp_path):
     check_remote_view(out, SMOLLM2_HUB_ID, [Path.home() / ".cache" / "tinkerless", storage])
     assert out["alias_tokenizer_id"] == SMOLLM2_HUB_ID
     assert out["hub_tokenizer_eos"] == "<|im_end|>"  # the EOS the chat template ends turns with (id 2)
+
+
+def test_the_public_name_of_a_model_is_its_hub_id(tmp_path, monkeypatch):
+    from tinkerless.functions.models import model_aliases, public_model_id
+
+    monkeypatch.setenv("TINKERLESS_CACHE", str(tmp_path))
+    for name in ("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct", SMOLLM2_HUB_ID,
+                 str(tmp_path / "models" / "SmolLM2-135M-Instruct-f32")):  # the local conversion, by path
+        assert public_model_id(name) == SMOLLM2_HUB_ID
+        assert {"smollm2", SMOLLM2_HUB_ID} <= model_aliases(name)
+    assert public_model_id("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert model_aliases("/some/local/model") == {"/some/local/model"}

@@ -102,7 +102,12 @@ def public_model_id(spec: str) -> str:
     be a Hub id (or the path the caller gave), never a server-local path it cannot read.
     """
     spec = spec.strip()
-    return SMOLLM2_HUB_ID if spec in SMOLLM2_ALIASES else spec
+    if spec in SMOLLM2_ALIASES:
+        return SMOLLM2_HUB_ID
+    # The local SmolLM2 conversion named by its path is still SmolLM2: clients get the Hub id, not the path.
+    if Path(spec).expanduser().resolve() == (cache_dir() / "models" / _SMOLLM2_CACHE_NAME).resolve():
+        return SMOLLM2_HUB_ID
+    return spec
 
 
 def model_aliases(spec: str) -> set[str]:
