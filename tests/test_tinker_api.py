@@ -203,8 +203,8 @@ def test_checkpoints_round_trip_with_optimizer_state(service, server):
 
 def test_an_unknown_loss_is_a_clean_user_error(service, server):
     training = service.create_lora_training_client(base_model=server["model"], rank=4).result()
-    with pytest.raises(tinker.RequestFailedError, match="unsupported loss_fn 'dro'"):
-        training.forward_backward(SFT_DATA, "dro").result(timeout=60)
+    with pytest.raises(tinker.RequestFailedError, match="unsupported loss_fn 'gspo'"):
+        training.forward_backward(SFT_DATA, "gspo").result(timeout=60)
 
 
 def test_a_bad_base_model_is_a_clean_user_error(service):
@@ -274,7 +274,7 @@ def test_unsupported_sampling_options_and_optimizers_are_refused_clearly(service
     sampler = service.create_sampling_client(base_model=server["model"]).result()
     with pytest.raises(tinker.TinkerError, match="not supported"):
         sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
-                       topk_prompt_logprobs=2).result(timeout=60)
+                       topk_sample_logprobs=2).result(timeout=60)
 
 
 def test_saving_over_a_name_replaces_it_and_a_corrupt_checkpoint_is_refused(service, server):

@@ -8,6 +8,7 @@ train). Definitions follow /work/shared/reference/rl-frameworks-and-losses.md §
     importance_sampling   -r * A                                (Tinker)
     ppo                   -min(r * A, clip(r, 1-lo, 1+hi) * A)  (DAPO clip-higher)
     cispo                 -sg(clip(r, 1-lo, 1+hi)) * A * logprobs  (MiniMax-M1)
+    dro                   -(A * logprobs - beta/2 * (logprobs - sampler_logprobs)^2)  (Tinker's `dro`)
     cross_entropy         -logprobs, or -A * logprobs with per-token weights A  (SFT; Tinker's weighted CE)
 
 Optional extras, per token, before normalization:
@@ -28,8 +29,8 @@ from torch import Tensor
 
 from tinkerless.errors import ConfigError
 
-LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "cross_entropy")
-RL_LOSS_NAMES = ("importance_sampling", "ppo", "cispo")
+LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro", "cross_entropy")
+RL_LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro")
 NORMALIZATIONS = ("token", "sequence", "constant")
 
 
@@ -42,6 +43,7 @@ class LossConfig:
     normalization_constant: float | None = None  # required for "constant" (Dr.GRPO: max_tokens * batch)
     tis_cap: float | None = None  # truncated importance sampling cap C; None = off
     kl_coef: float = 0.0  # beta for k3 KL to reference model; 0 = off
+    dro_beta: float = 0.05  # dro: weight of the quadratic penalty on log(pi / sampler); the Tinker docs fix no default
 
     def validate(self) -> None:
         if self.name not in LOSS_NAMES:
@@ -72,6 +74,11 @@ class LossConfig:
             raise ConfigError(
                 f"LossConfig.tis_cap={self.tis_cap!r} must be None (off) or a finite number > 0",
                 hint="a typical cap is 2.0",
+            )
+        if not (_finite(self.dro_beta) and self.dro_beta >= 0.0):
+            raise ConfigError(
+                f"LossConfig.dro_beta={self.dro_beta!r} must be a finite number >= 0",
+                hint="beta weighs the penalty 0.5 * beta * (logprob - sampler_logprob)^2; 0 makes dro plain REINFORCE",
             )
         if not (_finite(self.kl_coef) and self.kl_coef >= 0.0):
             raise ConfigError(
@@ -182,6 +189,10 @@ def compute_loss(
         lo, hi = 1.0 - config.clip_low, 1.0 + config.clip_high
         if config.name == "importance_sampling":
             per_token = -ratio * adv
+            clipped = torch.zeros_like(on)
+        elif config.name == "dro":
+            # A REINFORCE term kept near the sampling policy by a quadratic penalty on the log-ratio.
+            per_token = -(adv * lp - 0.5 * config.dro_beta * log_ratio.square())
             clipped = torch.zeros_like(on)
         else:
             clipped_ratio = ratio.clamp(lo, hi)

@@ -95,6 +95,29 @@ def resolve_model(spec: str) -> str:
     return spec
 
 
+def public_model_id(spec: str) -> str:
+    """The name clients see for a model (get_info, samplers, capabilities): the Hub id where there is one.
+
+    A Tinker client loads its tokenizer with `AutoTokenizer.from_pretrained(<this name>)`, so it must
+    be a Hub id (or the path the caller gave), never a server-local path it cannot read.
+    """
+    spec = spec.strip()
+    if spec in SMOLLM2_ALIASES:
+        return SMOLLM2_HUB_ID
+    # The local SmolLM2 conversion named by its path is still SmolLM2: clients get the Hub id, not the path.
+    if Path(spec).expanduser().resolve() == (cache_dir() / "models" / _SMOLLM2_CACHE_NAME).resolve():
+        return SMOLLM2_HUB_ID
+    return spec
+
+
+def model_aliases(spec: str) -> set[str]:
+    """Every name a client may use for the model `spec`: its Hub id, the short aliases and the spec itself."""
+    names = {spec, public_model_id(spec)}
+    if public_model_id(spec) == SMOLLM2_HUB_ID:
+        names |= set(SMOLLM2_ALIASES)
+    return names
+
+
 def load_model(spec: str, *, dtype: torch.dtype | None = None, device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, ready for left-padded batched generation."""
     import torch

@@ -418,7 +418,9 @@ class Worker:
         policy = self._policy(request.policy)
         files: dict[str, bytes] = {}
         with tempfile.TemporaryDirectory() as tmp:
-            self.model.save_pretrained(tmp, selected_adapters=[request.policy])
+            # save_embedding_layers=False: a LoRA on a tied lm_head must not drag the frozen embedding
+            # matrix (113 MB on SmolLM2) into every adapter file; only the LoRA weights change.
+            self.model.save_pretrained(tmp, selected_adapters=[request.policy], save_embedding_layers=False)
             # PEFT writes the adapter named "default" at the root and any other name in a subfolder.
             root = tmp if request.policy == "default" else os.path.join(tmp, request.policy)
             for name in sorted(os.listdir(root)):
@@ -446,7 +448,7 @@ class Worker:
         policy = self.policies[state.policy]
         try:
             # Every check before the first change: a bad state leaves the policy as it was.
-            expected = get_peft_model_state_dict(self.model, adapter_name=state.policy)
+            expected = get_peft_model_state_dict(self.model, adapter_name=state.policy, save_embedding_layers=False)
             check_weights_fit(state.policy, parsed.weights, expected)
             optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
             if parsed.optimizer is not None:

@@ -7,7 +7,9 @@ reach another tenant's files; `validate_key` rejects traversal on top of that):
     tenants/<tenant>/tinker/runs/<run>/<kind>/<name>/...   a `CheckpointStore` holding one checkpoint
 
 `<run>` is the run id with its ':' made path-safe; `<kind>` is `weights`
-(adapter + optimizer) or `sampler_weights` (adapter only). Each named checkpoint is
+(adapter + optimizer), `sampler_weights` (adapter only) or `external_weights` (the adapter
+in PEFT's own file layout, for download). A checkpoint with a TTL has an `expires.json`
+next to its steps; once past it, the checkpoint reads as missing and is deleted. Each named checkpoint is
 the storage layer's verified checkpoint (files, then a sha256 manifest, then `latest`
 by compare-and-swap), so saving over a name replaces it atomically.
 """
@@ -25,7 +27,9 @@ from tinkerless.errors import StorageNotFound, UserError
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.storage.layout import LATEST
 
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+EXPIRES = "expires.json"
+MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 366 * 86400  # the SDK's documented range: 1 hour to 10 years
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _STEP = 1  # a named checkpoint is a one-step CheckpointStore; saving again replaces that step
 
@@ -119,14 +123,40 @@ class CheckpointRegistry:
 
     def load(self, tenant: str, path: TinkerPath) -> tuple[dict, dict[str, bytes]]:
         """The checkpoint's metadata and verified files; CorruptCheckpoint if a file fails its checksum."""
+        self._drop_if_expired(tenant, path)
         with _missing(path):
             checkpoint = self._checkpoint(tenant, path).load(_STEP)
         return checkpoint.metadata, checkpoint.files
 
     def info(self, tenant: str, path: TinkerPath) -> dict:
         """The checkpoint's metadata, without reading its files."""
+        expires_at = self._drop_if_expired(tenant, path)
         with _missing(path):
-            return self._checkpoint(tenant, path).manifest(_STEP)["metadata"]
+            return {**self._checkpoint(tenant, path).manifest(_STEP)["metadata"], "expires_at": expires_at}
+
+    # -- expiry -------------------------------------------------------------------------
+
+    def set_ttl(self, tenant: str, path: TinkerPath, ttl_seconds: int | None) -> None:
+        """Expire the checkpoint `ttl_seconds` from now; None keeps it for good."""
+        self.info(tenant, path)  # a clear error for a missing one
+        key = f"{self._checkpoint(tenant, path).prefix}/{EXPIRES}"
+        if ttl_seconds is None:
+            with contextlib.suppress(StorageNotFound):
+                self.store.delete(key)
+            return
+        check_ttl(ttl_seconds)
+        when = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=ttl_seconds)
+        self.store.put(key, json.dumps({"expires_at": when.isoformat()}).encode())
+
+    def _drop_if_expired(self, tenant: str, path: TinkerPath) -> str | None:
+        """The checkpoint's expiry time (None = never); an expired checkpoint is deleted first."""
+        try:
+            expires_at = json.loads(self.store.get(f"{self._checkpoint(tenant, path).prefix}/{EXPIRES}"))["expires_at"]
+        except StorageNotFound:
+            return None
+        if dt.datetime.fromisoformat(expires_at) <= dt.datetime.now(dt.timezone.utc):
+            self.delete(tenant, path)
+        return expires_at
 
     def list(self, tenant: str, run_id: str) -> list[dict]:
         out = []
@@ -134,7 +164,8 @@ class CheckpointRegistry:
         for key in self.store.list(prefix):
             parts = key[len(prefix) + 1 :].split("/")
             if len(parts) == 3 and parts[0] in KINDS and parts[2] == LATEST:  # <kind>/<name>/latest
-                out.append(self.info(tenant, TinkerPath(run_id, parts[0], parts[1])))
+                with contextlib.suppress(UserError):  # expired (and deleted) while listing
+                    out.append(self.info(tenant, TinkerPath(run_id, parts[0], parts[1])))
         return sorted(out, key=lambda m: m["time"])
 
     def delete(self, tenant: str, path: TinkerPath) -> bool:
@@ -144,6 +175,12 @@ class CheckpointRegistry:
         self.store.delete(f"{checkpoint.prefix}/{LATEST}")  # first: a half-deleted checkpoint is never loadable
         self.store.delete(checkpoint.prefix)
         return True
+
+
+def check_ttl(ttl_seconds) -> None:
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not MIN_TTL_SECONDS <= ttl_seconds <= MAX_TTL_SECONDS:
+        raise UserError(f"ttl_seconds={ttl_seconds!r} is out of range",
+                        hint=f"use {MIN_TTL_SECONDS} (1 hour) to {MAX_TTL_SECONDS} (10 years), or null for no expiry")
 
 
 @contextlib.contextmanager

@@ -23,7 +23,9 @@ from tinkerless.wire.messages import Datum, SamplingParams
 
 # Tinker losses are sums over tokens; thresholds are absolute ratio bounds.
 _DEFAULT_THRESHOLDS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+# The Tinker docs name `beta` for dro but fix no default; this one is documented in docs/tinker.md.
+DRO_DEFAULT_BETA = 0.05
 
 
 def pb():
@@ -71,24 +73,46 @@ def parse_forward_backward(body: bytes):
     return request.model_id, request.seq_id, request.loss_fn, config, request.forward_only, datums
 
 
+_LOSS_CONFIG_KEYS = {
+    "cross_entropy": set(),
+    "importance_sampling": set(),
+    "ppo": {"clip_low_threshold", "clip_high_threshold"},
+    "cispo": {"clip_low_threshold", "clip_high_threshold"},
+    "dro": {"beta"},
+}
+
+
 def loss_config(loss_fn: str, config: dict) -> LossConfig:
     if loss_fn not in SUPPORTED_LOSSES:
         raise UserError(
             f"unknown or unsupported loss_fn {loss_fn!r}",
             hint=f"this server supports {', '.join(SUPPORTED_LOSSES)}",
         )
-    low, high = _DEFAULT_THRESHOLDS.get(loss_fn, (0.8, 1.2))
-    low = float(config.get("clip_low_threshold", low))
-    high = float(config.get("clip_high_threshold", high))
-    unknown = set(config) - {"clip_low_threshold", "clip_high_threshold"}
+    allowed = _LOSS_CONFIG_KEYS[loss_fn]
+    unknown = set(config) - allowed
     if unknown:
-        raise UserError(f"loss_fn_config keys {sorted(unknown)} are not supported for {loss_fn}")
+        raise UserError(f"loss_fn_config keys {sorted(unknown)} are not supported for {loss_fn}",
+                        hint=f"{loss_fn} takes {sorted(allowed) or 'no loss_fn_config'}")
+    low, high = _DEFAULT_THRESHOLDS.get(loss_fn, (0.8, 1.2))
+    low = _number(config, "clip_low_threshold", low)
+    high = _number(config, "clip_high_threshold", high)
     if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low <= 1.0 <= high):
         raise UserError(f"clip thresholds must satisfy 0 <= low <= 1 <= high, got {low}, {high}")
+    beta = _number(config, "beta", DRO_DEFAULT_BETA)
+    if not (math.isfinite(beta) and beta >= 0.0):
+        raise UserError(f"dro beta must be a finite number >= 0, got {beta}")
     # Sums over tokens, as Tinker defines its losses.
     return LossConfig(
-        name=loss_fn, clip_low=1.0 - low, clip_high=high - 1.0, normalization="constant", normalization_constant=1.0
+        name=loss_fn, clip_low=1.0 - low, clip_high=high - 1.0, normalization="constant", normalization_constant=1.0,
+        dro_beta=beta,
     )
+
+
+def _number(config: dict, key: str, default: float) -> float:
+    value = config.get(key, default)
+    if isinstance(value, str):
+        raise UserError(f"loss_fn_config[{key!r}] must be a number, got the text {value[:40]!r}")
+    return float(value)
 
 
 def to_datum(index: int, tokens: np.ndarray, inputs: dict[str, np.ndarray], loss_fn: str) -> Datum:
@@ -144,7 +168,8 @@ def forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float
     return out.SerializeToString()
 
 
-def sample_response(sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: np.ndarray | None) -> bytes:
+def sample_response(sequences: list[tuple[list[int], list[float], str]], scores: dict | None = None) -> bytes:
+    """A protobuf SampleResponse; `scores` are the prompt fields of `PromptScoring.compute`."""
     p = pb()
     out = p.SampleResponse(prompt_cache_hit_tokens=0)
     reasons = {"stop": p.STOP_REASON_STOP, "length": p.STOP_REASON_LENGTH}
@@ -154,9 +179,37 @@ def sample_response(sequences: list[tuple[list[int], list[float], str]], prompt_
             tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
             logprobs=np.asarray(logprobs, dtype=np.float32).tobytes(),
         )
-    if prompt_logprobs is not None:
-        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    scores = scores or {}
+    if scores.get("prompt_logprobs") is not None:
+        out.prompt_logprobs = np.asarray(scores["prompt_logprobs"], dtype=np.float32).tobytes()
+    if "topk_prompt_logprobs" in scores:
+        ids, lps = scores["topk_prompt_logprobs"]
+        out.topk_prompt_logprobs.CopyFrom(p.TopkLogprobs(
+            token_ids=ids.astype(np.int32).tobytes(), logprobs=lps.astype(np.float32).tobytes(),
+            k=ids.shape[1], length=ids.shape[0]))
+    if "target_prompt_logprobs" in scores:
+        values, csr = scores["target_prompt_logprobs"]
+        if csr is None:  # same layout as the request: dense in, dense out
+            out.target_prompt_logprobs.CopyFrom(_dense_tensor(values))
+        else:
+            crow, col = csr
+            rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
+            out.target_prompt_logprobs.CopyFrom(p.Tensor(
+                sparse_csr=p.SparseCsr(values=values[rows, col].astype(np.float32).tobytes(),
+                                       crow_indices=crow.astype(np.int64).tobytes(),
+                                       col_indices=col.astype(np.int64).tobytes()),
+                dtype=p.DTYPE_FLOAT32, shape=list(values.shape)))
+    if "prompt_alt_tokens" in scores:
+        tokens, lps = scores["prompt_alt_tokens"]
+        out.prompt_alt_tokens.tokens.CopyFrom(_dense_tensor(tokens))
+        out.prompt_alt_tokens.logprobs.CopyFrom(_dense_tensor(lps))
     return out.SerializeToString()
+
+
+def _dense_tensor(array: np.ndarray):
+    p = pb()
+    dtype = {np.dtype(np.float32): p.DTYPE_FLOAT32, np.dtype(np.int64): p.DTYPE_INT64}[array.dtype]
+    return p.Tensor(dense=np.ascontiguousarray(array).tobytes(), dtype=dtype, shape=list(array.shape))
 
 
 def options(body: dict, key: str) -> dict:
@@ -184,13 +237,21 @@ def model_input_tokens(model_input: dict) -> list[int]:
     return tokens
 
 
-def lora_target_modules(lora: dict) -> str | list[str]:
-    attn, mlp = lora.get("train_attn", True), lora.get("train_mlp", True)
-    if attn and mlp:
-        return "all-linear"
-    if not attn and not mlp:
-        raise UserError("lora_config trains neither attention nor MLP", hint="set train_attn or train_mlp")
-    return ["q_proj", "k_proj", "v_proj", "o_proj"] if attn else ["gate_proj", "up_proj", "down_proj"]
+ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
+UNEMBED_MODULE = "lm_head"
+
+
+def lora_target_modules(lora: dict) -> list[str]:
+    """LoRA targets for Tinker's train_attn / train_mlp / train_unembed flags (all default to true).
+
+    The unembedding is trained as LoRA on `lm_head`; with tied embeddings (SmolLM2) the shared
+    base matrix stays frozen and only the adapter's low-rank delta on the output layer trains.
+    """
+    attn, mlp, unembed = (bool(lora.get(k, True)) for k in ("train_attn", "train_mlp", "train_unembed"))
+    if not (attn or mlp or unembed):
+        raise UserError("lora_config trains nothing", hint="set at least one of train_attn, train_mlp, train_unembed")
+    return (ATTENTION_MODULES if attn else []) + (MLP_MODULES if mlp else []) + ([UNEMBED_MODULE] if unembed else [])
 
 
 def tinker_metrics(metrics: dict[str, float], num_datums: int) -> dict[str, float]:

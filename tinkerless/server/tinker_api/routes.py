@@ -191,6 +191,10 @@ def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats
 
         return await call(request, delete)
 
+    from tinkerless.server.tinker_api.rest import RestSurface, add_catch_all, add_routes
+
+    add_routes(router, call, RestSurface(service), _found)
+    add_catch_all(router)  # last: it matches every path
     return router
 
 

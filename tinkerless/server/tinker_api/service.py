@@ -28,6 +28,7 @@ from tinkerless.server.limits import ServingLimits
 from tinkerless.server.scheduler import Scheduler
 from tinkerless.server.tenancy import tenant_prefix
 from tinkerless.server.tinker_api import convert
+from tinkerless.server.tinker_api.prompt_scores import PromptScoring
 from tinkerless.server.tinker_api.checkpoints import CheckpointRegistry, TinkerPath, check_name, now_iso
 from tinkerless.wire.validate import validate
 from tinkerless.wire.messages import (
@@ -69,6 +70,7 @@ class TrainingModel:
     last_request_time: str = field(default_factory=now_iso)
     last_checkpoint: dict | None = None
     last_sampler_checkpoint: dict | None = None
+    lora_flags: dict = field(default_factory=dict)  # train_attn / train_mlp / train_unembed, for weights_info
 
     def record(self) -> dict:
         return {
@@ -104,8 +106,11 @@ class TinkerService:
         self.worker = worker
         self.scheduler = scheduler
         self.registry = registry
-        self.base_model = worker.model_name
-        self.aliases = aliases | {worker.model_name}
+        from tinkerless.functions.models import model_aliases, public_model_id
+
+        # Clients see the Hub id (their tokenizer loads from it); the short aliases are accepted too.
+        self.base_model = public_model_id(worker.model_name)
+        self.aliases = aliases | model_aliases(worker.model_name)
         self.limits = limits or ServingLimits()
         self._lock = threading.Lock()
         self.sessions: dict[str, dict] = {}
@@ -123,7 +128,8 @@ class TinkerService:
     def create_session(self, tenant: str, body: dict) -> dict:
         session_id = f"sess-{secrets.token_hex(8)}"
         with self._lock:
-            self.sessions[session_id] = {"tenant": tenant, "tags": body.get("tags") or [], "alive": True}
+            self.sessions[session_id] = {"tenant": tenant, "tags": body.get("tags") or [], "alive": True,
+                                         "user_metadata": body.get("user_metadata"), "display_name": body.get("display_name")}
         return {"session_id": session_id, "type": "create_session"}
 
     def session(self, tenant: str, session_id: str) -> dict:
@@ -193,8 +199,10 @@ class TinkerService:
             raise UserError(f"lora rank {rank} is out of range", hint="use a rank between 1 and 256")
         model.lora_rank = rank
         targets = convert.lora_target_modules(lora)
+        model.lora_flags = {k: bool(lora.get(k, True)) for k in ("train_attn", "train_mlp", "train_unembed")}
         seed = lora.get("seed")
-        config = validate(LoraConfig(rank=rank, alpha=32, target_modules=targets, seed=int(seed) if seed is not None else 0))
+        seed = int(seed) if seed is not None else secrets.randbelow(2**31)  # the SDK: None means a random init
+        config = validate(LoraConfig(rank=rank, alpha=32, target_modules=targets, seed=seed))
 
         def run() -> dict:
             self.worker.create_policy(CreatePolicyRequest(model.policy, config))
@@ -210,11 +218,10 @@ class TinkerService:
 
     def get_info(self, tenant: str, body: dict) -> dict:
         model = self.model(tenant, body["model_id"])
-        from tinkerless.functions.models import resolve_model
-
+        # tokenizer_id is what the client's AutoTokenizer loads: the Hub id, never a path on this server.
         return {
             "model_id": model.model_id,
-            "model_data": {"arch": "lora", "model_name": model.base_model, "tokenizer_id": resolve_model(self.base_model)},
+            "model_data": {"arch": "lora", "model_name": model.base_model, "tokenizer_id": model.base_model},
             "is_lora": True,
             "lora_rank": model.lora_rank,
             "model_name": model.base_model,
@@ -276,7 +283,7 @@ class TinkerService:
     def _store(self, model: TrainingModel, path: TinkerPath, state: PolicyState, metadata) -> dict:
         files = {k: v for k, v in state.files.items() if k != "worker_rng.pt"}
         info = {"base_model": model.base_model, "lora_rank": model.lora_rank, "policy_version": state.policy_version,
-                "user_metadata": metadata}
+                "user_metadata": metadata, **model.lora_flags}
         return self.registry.save(model.tenant, path, files, info)
 
     def save_weights_for_sampler(self, tenant: str, body: dict) -> dict:
@@ -312,6 +319,11 @@ class TinkerService:
 
     def load_weights(self, tenant: str, body: dict) -> dict:
         path = TinkerPath.parse(body["path"])
+        if path.kind != "weights":
+            raise UserError(
+                f"{path} is a {path.kind} checkpoint: it holds no training state to load",
+                hint="load a tinker://<run>/weights/<name> path from save_state; sampler weights are for sampling clients",
+            )
         with_optimizer = bool(body.get("optimizer", False))
         if body.get("session_id") is not None:  # create-via-load: a new model whose id the SDK derives itself
             model = self._new_model(tenant, body["session_id"], body.get("model_seq_id", 0), body.get("base_model"),
@@ -325,6 +337,7 @@ class TinkerService:
             meta, files = self.registry.load(tenant, path)
             if fresh:
                 model.lora_rank = int(meta.get("lora_rank") or 0)
+                model.lora_flags = {k: meta[k] for k in ("train_attn", "train_mlp", "train_unembed") if k in meta}
                 if model.user_metadata is None:
                     source = self.registry.load_run(tenant, path.run_id) or {}
                     model.user_metadata = source.get("user_metadata")
@@ -348,7 +361,11 @@ class TinkerService:
         if model_path is not None:
             path = TinkerPath.parse(model_path)
             meta = self.registry.info(tenant, path)  # fails now, clearly, if it does not exist
-            return Sampler(sampler_id, tenant, meta.get("base_model", self.base_model), model_path=model_path)
+            from tinkerless.functions.models import public_model_id
+
+            # Checkpoints written before Hub ids were advertised may name an alias: answer with the id.
+            base = public_model_id(meta.get("base_model") or self.base_model)
+            return Sampler(sampler_id, tenant, base, model_path=model_path)
         if base_model is None:
             raise UserError("sampling needs a model_path or a base_model")
         self._check_base_model(base_model)
@@ -370,11 +387,10 @@ class TinkerService:
                 )
         else:
             sampler = self._sampler_for(tenant, "direct", body.get("model_path"), body.get("base_model"))
-        unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k") if body.get(k)]
-        unsupported += [k for k in ("target_prompt_logprobs", "prompt_logprobs_last_n") if body.get(k) is not None]
+        unsupported = [k for k in ("topk_sample_logprobs",) if body.get(k)]
         if unsupported:
             raise UserError(f"sampling options {unsupported} are not supported by this server",
-                            hint="ask for sampled-token logprobs and prompt_logprobs only")
+                            hint="see docs/tinker.md for the sampling options tinkerless implements")
         prompt = convert.model_input_tokens(convert.options(body, "prompt"))
         if not prompt:
             raise UserError("the prompt is empty", hint="send at least one token")
@@ -387,7 +403,7 @@ class TinkerService:
         seed = params.get("seed")
         seed = int(seed) if seed is not None else secrets.randbelow(2**31)
         validate(SampleRequest("base", [prompt], num_samples, sampling, seed), vocab_size=self.worker.vocab_size)
-        want_prompt_logprobs = bool(body.get("prompt_logprobs"))
+        scoring = PromptScoring.parse(body, len(prompt), self.worker.vocab_size)
         ids = [f"seq-{next(self._sequence_ids)}-{secrets.token_hex(4)}" for _ in range(num_samples)]
 
         def run() -> Proto:
@@ -397,18 +413,13 @@ class TinkerService:
             self._slots_in_use[policy] = self._slots_in_use.get(policy, 0) + 1
             try:
                 generations = self.worker.engine.generate([prompt] * num_samples, sampling, policy=policy, seed=seed)
+                scores = scoring.compute(self.worker, policy, prompt, sampling.temperature, seed) if scoring.needed else None
             finally:
                 self._slots_in_use[policy] -= 1
                 if not self._slots_in_use[policy]:
                     del self._slots_in_use[policy]
             sequences = [convert.apply_stop_strings(g, stop_strings, self.worker.tokenizer) for g in generations]
-            prompt_logprobs = None
-            if want_prompt_logprobs:
-                datum = Datum(np.asarray(prompt, np.int32), np.concatenate([[0.0], np.ones(len(prompt) - 1)]).astype(np.float32))
-                lp = self.worker.forward(ForwardRequest(policy, [datum])).logprobs[0].astype(np.float32)
-                lp[0] = np.nan  # the first token has no prefix to be scored from
-                prompt_logprobs = lp
-            return Proto(convert.sample_response(sequences, prompt_logprobs))
+            return Proto(convert.sample_response(sequences, scores))
 
         return self.submit(tenant, run, sample_sequence_ids=ids)
 
@@ -452,7 +463,7 @@ class TinkerService:
 
     def training_runs(self, tenant: str) -> list[dict]:
         stored = {r["training_run_id"]: r for r in self.registry.list_runs(tenant)}
-        for model in self.models.values():
+        for model in list(self.models.values()):  # a copy: other threads register models
             if model.tenant == tenant:
                 stored[model.model_id] = model.record()
         return sorted(stored.values(), key=lambda r: r.get("created_at", ""))
@@ -467,7 +478,8 @@ class TinkerService:
 
 def _public(meta: dict) -> dict:
     keys = ("checkpoint_id", "checkpoint_type", "time", "tinker_path", "size_bytes")
-    return {**{k: meta[k] for k in keys}, "public": False, "user_metadata": meta.get("user_metadata")}
+    return {**{k: meta[k] for k in keys}, "public": False, "user_metadata": meta.get("user_metadata"),
+            "expires_at": meta.get("expires_at")}
 
 
 def _loss_value(loss, data: list[Datum], logprobs: list[np.ndarray]) -> float:
