@@ -55,7 +55,8 @@ FIELD_DOCS: dict[str, str] = {
     "max_tokens": "Tokens the model may sample per turn.",
     "temperature": "Sampling temperature.",
     "top_p": "Nucleus-sampling probability mass (1.0: off).",
-    "max_turns": "Most model turns per episode; an env episode still going after them ends as `truncated`.",
+    "max_turns": "Most model turns per episode; an env episode still going after them ends as `truncated`. "
+    "None: 16 for an env run, 1 for a single-turn reward run.",
     "max_episode_tokens": "Most tokens per episode (prompt, turns and observations); an episode that would "
     "exceed it ends as `truncated`.",
     "seed": "Seed of task order, sampling and LoRA init: the same seed gives the same run.",
