@@ -241,3 +241,39 @@ def test_conditional_writes_stay_exclusive_and_leave_no_lock_files(tmp_path):
     assert all(p.exitcode == 0 for p in processes)
     assert store.get("counter") == str(5 * 40).encode()
     assert _leftovers(tmp_path) == []
+
+
+CTRL_C_FILE = """\
+import os
+import tinkerless
+
+COUNTER = {counter!r}
+
+
+@tinkerless.reward
+def ctrl_c_at_step_2(completion, task):
+    calls = int(open(COUNTER).read()) if os.path.exists(COUNTER) else 0
+    open(COUNTER, "w").write(str(calls + 1))
+    if calls == 8:  # the first episode of step 2 (batch 2 x group 2 per step)
+        raise KeyboardInterrupt
+    return float(len(completion) % 3)
+
+
+config = tinkerless.TrainConfig(
+    model={model!r}, reward=ctrl_c_at_step_2, tasks=[{{"prompt": "a"}}, {{"prompt": "b"}}], steps=5, batch_size=2,
+    group_size=2, max_tokens=4, checkpoint_every=1, storage={storage!r}, progress=False,
+)
+"""
+
+
+def test_ctrl_c_in_process_names_the_real_run_id(tmp_path, tiny_model, capsys):
+    from tinkerless.sdk.cli import main
+
+    file = tmp_path / "ctrl_c.py"
+    file.write_text(CTRL_C_FILE.format(counter=str(tmp_path / "calls"), model=tiny_model, storage=str(tmp_path / "s")))
+    assert main(["train", str(file), "--run-id", "ctrl-c-run"]) == 130
+    err = capsys.readouterr().err
+    assert "run ctrl-c-run interrupted by SIGINT (last checkpoint step-2)" in err
+    assert f"tinkerless train {file} --resume --run-id ctrl-c-run" in err and "<id>" not in err
+    state = json.loads((tmp_path / "s/runs/ctrl-c-run/state.json").read_text())
+    assert state["status"] == "interrupted" and state["summary"]["usage"]["gpu_seconds_total"] >= 0
