@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 from conftest import write_resumable_example
+from test_s3_storage import bucket, moto, s3_env  # noqa: F401  (fixtures: a real S3 API on localhost)
 
 from tinkerless.coordinator import Coordinator, Phase, list_runs
 from tinkerless.coordinator.state import stale_after
 from tinkerless.errors import ConfigError, PhaseError, UserError
-from tinkerless.sdk.lifecycle import RunInterrupted, heartbeat_interval, interruptible, uninterrupted
+from tinkerless.sdk.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.storage.local import TMP_MARK
 
@@ -128,6 +129,28 @@ def test_heartbeat_is_recorded_and_goes_stale(tmp_path):
     for bad in (0, -1, float("nan"), float("inf"), True, "30", None):
         with pytest.raises(UserError, match="interval"):
             coordinator.heartbeat(bad)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_heartbeat_thread_and_the_driving_thread_share_the_run_state(kind, tmp_path, request):
+    """Beats land between transitions without a compare-and-swap conflict, on a local disk and on S3."""
+    url = str(tmp_path) if kind == "local" else f"s3://{request.getfixturevalue('bucket')}/root"
+    store = ObjectStore(url)
+    coordinator = Coordinator.create(store, "shared", {})
+    heartbeat = Heartbeat(coordinator, 0.02).start()
+    try:
+        for step in range(5):
+            coordinator.begin_rollout(step, ["default"])
+            coordinator.submit_rollout(step, "default")
+            coordinator.begin_update(step)
+            coordinator.commit_update(step, {"reward_mean": 0.0})
+    finally:
+        heartbeat.stop()
+    state = Coordinator.open(store, "shared").state
+    assert state.step == 5 and state.heartbeat_interval == 0.02 and state.heartbeat_at > state.created_at
+    assert list_runs(store)[0].status == "running"
+    time.sleep(stale_after(0.02) + 0.2)
+    assert list_runs(store)[0].status == "interrupted"
 
 
 def test_a_run_without_heartbeats_or_no_longer_running_is_never_stale(tmp_path):
@@ -241,3 +264,39 @@ def test_conditional_writes_stay_exclusive_and_leave_no_lock_files(tmp_path):
     assert all(p.exitcode == 0 for p in processes)
     assert store.get("counter") == str(5 * 40).encode()
     assert _leftovers(tmp_path) == []
+
+
+CTRL_C_FILE = """\
+import os
+import tinkerless
+
+COUNTER = {counter!r}
+
+
+@tinkerless.reward
+def ctrl_c_at_step_2(completion, task):
+    calls = int(open(COUNTER).read()) if os.path.exists(COUNTER) else 0
+    open(COUNTER, "w").write(str(calls + 1))
+    if calls == 8:  # the first episode of step 2 (batch 2 x group 2 per step)
+        raise KeyboardInterrupt
+    return float(len(completion) % 3)
+
+
+config = tinkerless.TrainConfig(
+    model={model!r}, reward=ctrl_c_at_step_2, tasks=[{{"prompt": "a"}}, {{"prompt": "b"}}], steps=5, batch_size=2,
+    group_size=2, max_tokens=4, checkpoint_every=1, storage={storage!r}, progress=False,
+)
+"""
+
+
+def test_ctrl_c_in_process_names_the_real_run_id(tmp_path, tiny_model, capsys):
+    from tinkerless.sdk.cli import main
+
+    file = tmp_path / "ctrl_c.py"
+    file.write_text(CTRL_C_FILE.format(counter=str(tmp_path / "calls"), model=tiny_model, storage=str(tmp_path / "s")))
+    assert main(["train", str(file), "--run-id", "ctrl-c-run"]) == 130
+    err = capsys.readouterr().err
+    assert "run ctrl-c-run interrupted by SIGINT (last checkpoint step-2)" in err
+    assert f"tinkerless train {file} --resume --run-id ctrl-c-run" in err and "<id>" not in err
+    state = json.loads((tmp_path / "s/runs/ctrl-c-run/state.json").read_text())
+    assert state["status"] == "interrupted" and state["summary"]["usage"]["gpu_seconds_total"] >= 0

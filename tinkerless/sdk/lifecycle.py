@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any, Iterator
 
@@ -103,6 +104,8 @@ class _Signals:
         name = signal.Signals(signum).name
         if self.depth and self.pending is None:
             self.pending = name  # raised when the critical section ends; a second signal goes through
+            print(f"tinkerless: {name}: stopping once the checkpoint or run state being written is complete "
+                  "(send it again to stop at once)", file=sys.stderr, flush=True)
             return
         raise RunInterrupted(name)
 

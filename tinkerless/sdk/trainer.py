@@ -230,18 +230,18 @@ class _Run:
                     progress.warn(record["warning"])
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
+            progress.close()
+            records = read_metrics(self.run_dir / "metrics.jsonl")
+            plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
+            usage = self.usage.summary()
+            self.heartbeat.stop()
+            self.coordinator.finish("finished", {**reward_summary(records), "usage": usage})
         except BaseException as exc:
             progress.close()
             self._stop(exc)  # cloud backends stop their apps and clusters' clients here too
             if isinstance(exc, KeyboardInterrupt):
                 raise self._interrupted(exc) from None
             raise
-        progress.close()
-        records = read_metrics(self.run_dir / "metrics.jsonl")
-        plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
-        usage = self.usage.summary()
-        self.heartbeat.stop()
-        self.coordinator.finish("finished", {**reward_summary(records), "usage": usage})
         self.backend.close()
         if self.multi_agent:
             plot_outcomes(self.run_dir / "metrics.jsonl", self.run_dir / "outcomes.png", self.policies, title=self.run_id)
