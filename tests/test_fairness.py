@@ -14,7 +14,6 @@ import time
 import httpx
 import pytest
 
-from tinkerless.errors import ServerBusy
 from tinkerless.functions.slicing import slice_due, yield_slice
 from tinkerless.functions.worker import Worker
 from tinkerless.server import create_app, serve_in_thread

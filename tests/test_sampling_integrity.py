@@ -225,3 +225,10 @@ def test_the_sampler_draws_from_the_filtered_distribution(eos_worker):
     expected = probs * rows
     sigma = (rows * probs * (1 - probs)).sqrt()
     assert ((counts - expected).abs() <= 5 * sigma + 1e-9).all(), counts
+
+
+def test_an_empty_prompt_is_a_user_error(eos_worker):
+    from tinkerless.errors import UserError
+
+    with pytest.raises(UserError, match="empty"):
+        eos_worker.engine.generate([[3, 4], []], SamplingParams(max_tokens=2), policy=None, seed=0)

@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from tinkerless.errors import UserError
 from tinkerless.functions.slicing import slice_due, yield_slice
 from tinkerless.wire.messages import SamplingParams
 
@@ -86,6 +87,8 @@ class GenerationJob:
         pad_id: int,
         device: torch.device,
     ):
+        if any(not prompt for prompt in prompts):
+            raise UserError("a prompt to sample from is empty", hint="send at least one token per prompt")
         self.sampling = sampling
         self.stop_ids = set(stop_ids)
         self.device = device
