@@ -570,3 +570,15 @@ def test_a_non_root_worker_gets_the_same_sandbox_through_a_user_namespace():
     first, fork_denied, fork_allowed = done.stdout.splitlines()
     assert first.startswith("ok 65534 2 ") and "'root'" not in first and "'home'" not in first
     assert fork_denied == "process_limit" and fork_allowed == "2"  # parent and child both printed
+
+
+def test_the_seccomp_filter_is_the_same_from_every_source():
+    """Imported bindings, Debian's module loaded by path, or /usr/bin/python3 in a subprocess: one program."""
+    from tinkerless.envs.sandbox import seccomp_filter
+
+    module = seccomp_filter._import_seccomp()
+    assert module is not None, "libseccomp's Python bindings are missing: apt-get install python3-seccomp"
+    direct = seccomp_filter.build_filter(module)
+    assert len(direct) > 100 and direct == seccomp_filter.compiled_filter()
+    if os.path.exists(seccomp_filter.SYSTEM_PYTHON):
+        assert seccomp_filter._build_with_system_python() == direct

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,54 @@ def test_a_shared_server_without_bubblewrap_refuses_to_start(monkeypatch):
     with pytest.raises(SandboxUnavailable, match="bubblewrap") as caught:
         serve(model="unused-the-check-comes-first")
     assert "apt-get install bubblewrap" in caught.value.hint
+
+
+def test_a_host_that_sends_half_an_answer_cannot_hold_the_server():
+    """Tenant code that finds the replies pipe and writes a frame's first bytes, then stalls, is cut off at the deadline."""
+    from tinkerless.functions.user_code import HostedCodeError, tenant_scope
+
+    def half_frame(completion, task):
+        import os as _os
+        import sys as _sys
+        import time as _time
+
+        frame = _sys._getframe()
+        while frame is not None and "replies_fd" not in frame.f_locals:
+            frame = frame.f_back
+        _os.write(frame.f_locals["replies_fd"], b"\x00\x00")  # 2 of a frame length's 4 bytes
+        _time.sleep(60)
+
+    hosts = UserCodeHosts(call_timeout=2.0)
+    try:
+        with tenant_scope("erin"):
+            started = time.monotonic()
+            with pytest.raises(HostedCodeError, match="did not answer within 2 s"):
+                hosts.load(pack_code(half_frame))("x", {})
+            assert time.monotonic() - started < 6
+    finally:
+        hosts.close()
+
+
+def test_a_host_that_stops_reading_cannot_hold_the_server():
+    """Tenant code that makes its host stop reading requests: a large request times out instead of blocking."""
+    from tinkerless.functions.user_code import HostedCodeError, tenant_scope
+
+    def stop_reading(completion, task):
+        import time as _time
+
+        import tinkerless.functions.user_code_host as host_module
+
+        host_module.read_frame = lambda *args, **kwargs: _time.sleep(3600)  # the host's loop never reads again
+        return 1.0
+
+    hosts = UserCodeHosts(call_timeout=2.0)
+    try:
+        with tenant_scope("frank"):
+            reward = hosts.load(pack_code(stop_reading))
+            assert reward("x", {}) == 1.0
+            started = time.monotonic()
+            with pytest.raises(HostedCodeError, match="did not answer within 2 s"):
+                reward("x" * 4_000_000, {})  # far more than a pipe holds
+            assert time.monotonic() - started < 6
+    finally:
+        hosts.close()

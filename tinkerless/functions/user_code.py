@@ -26,9 +26,9 @@ import contextlib
 import contextvars
 import os
 import random
-import selectors
 import sysconfig
 import threading
+import time
 from collections import deque
 from typing import Any, Iterator
 
@@ -142,9 +142,16 @@ class UserCodeHost:
             if self._sandbox is None or self._sandbox.proc.poll() is not None:
                 self.close()
                 self._start()
+            deadline = time.monotonic() + self.call_timeout
             try:
-                write_frame(self._requests_w, request)
-                reply = self._read_reply()
+                write_frame(self._requests_w, request, deadline)
+                reply = self._read_reply(deadline)
+            except TimeoutError:
+                self.close()
+                raise HostedCodeError(
+                    f"the tenant's code did not answer within {self.call_timeout:g} s and was stopped",
+                    hint="an env step or reward must return; its sandbox was killed and starts afresh on the next call",
+                ) from None
             except (EOFError, OSError) as exc:
                 self.close()
                 tail = "\n".join(self._stderr_tail)
@@ -156,16 +163,8 @@ class UserCodeHost:
             raise _error(reply)
         return reply
 
-    def _read_reply(self) -> HostReply:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._replies_r, selectors.EVENT_READ)
-            if not selector.select(self.call_timeout):
-                self.close()
-                raise HostedCodeError(
-                    f"the tenant's code did not answer within {self.call_timeout:g} s and was stopped",
-                    hint="an env step or reward must return; its sandbox was killed and starts afresh on the next call",
-                )
-        reply = read_frame(self._replies_r)
+    def _read_reply(self, deadline: float) -> HostReply:
+        reply = read_frame(self._replies_r, deadline)
         if not isinstance(reply, HostReply):
             raise EOFError(f"unexpected message {type(reply).__name__}")
         return reply

@@ -9,7 +9,9 @@ and is unpickled only on the host side.
 from __future__ import annotations
 
 import os
+import select
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,24 +60,37 @@ class HostReply:
     traceback: str = ""
 
 
-def write_frame(fd: int, value: Any) -> None:
+def write_frame(fd: int, value: Any, deadline: float | None = None) -> None:
+    """Send one message; TimeoutError past `deadline` if the peer stops reading (a full pipe would block forever)."""
     data = encode_message(value)
     view = memoryview(_LENGTH.pack(len(data)) + data)
     while view:
-        view = view[os.write(fd, view) :]
+        if deadline is not None:
+            _, ready, _ = select.select([], [fd], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError("the peer did not read the request before the deadline")
+        view = view[os.write(fd, view[:65536]) :]
 
 
-def read_frame(fd: int) -> Any:
-    """The next message, or EOFError when the other side is gone."""
-    (length,) = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size))
+def read_frame(fd: int, deadline: float | None = None) -> Any:
+    """The next message; EOFError when the other side is gone, TimeoutError past `deadline` (time.monotonic()).
+
+    The deadline covers the whole frame: a peer that sends half a frame and stalls
+    cannot hold the reader (the model-holding server) forever.
+    """
+    (length,) = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size, deadline))
     if length > MAX_FRAME_BYTES:
         raise EOFError(f"a frame of {length} bytes is over the limit of {MAX_FRAME_BYTES}")
-    return decode_message(_read_exactly(fd, length))
+    return decode_message(_read_exactly(fd, length, deadline))
 
 
-def _read_exactly(fd: int, size: int) -> bytes:
+def _read_exactly(fd: int, size: int, deadline: float | None = None) -> bytes:
     chunks, remaining = [], size
     while remaining:
+        if deadline is not None:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError("no complete answer before the deadline")
         chunk = os.read(fd, min(remaining, 1 << 20))
         if not chunk:
             raise EOFError("the other side closed the pipe")
