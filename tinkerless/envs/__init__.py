@@ -3,7 +3,8 @@
 - `base`: `StepResult` (single-agent `step`), `MultiStepResult` (multi-agent `step`), reward checks;
 - `tools`: `@tool`, `ToolEnv` and the tool-calling format (`<tool_call>{...}</tool_call>`, `<answer>...</answer>`);
 - `calculator`: math word problems with a calculator tool;
-- `python_tool`: problems solved by running model-written Python in `sandbox` (a limited, isolated process);
+- `python_tool`: problems solved by running model-written Python in `sandbox` (bubblewrap: its own uid and
+  namespaces, seccomp and limits; a `modal.Sandbox` on Modal; see docs/sandbox.md);
 - `gomoku`: two-player gomoku with scripted `random_opponent` / `greedy_opponent`.
 """
 
