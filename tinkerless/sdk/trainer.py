@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from tinkerless.sdk.metrics import (
 )
 from tinkerless.sdk.multi_agent import build_seats, play_step
 from tinkerless.sdk.progress import Progress
+from tinkerless.sdk.step_metrics import agent_metrics, mean, step_record
 from tinkerless.sdk.run_host import run_host_for
 from tinkerless.sdk import truncation
 from tinkerless.sdk.tasks import TaskSource, check_reset_fields
@@ -294,17 +294,17 @@ class _Run:
             self._event("update_start", name)
             own = [e for e in episodes if e.status != "error" and e.info.get("policy", "default") == name]
             metrics[name], versions[name] = self._update(client, own, timings)
-        reward_mean = _mean([e.reward for e in episodes if e.status != "error"])
+        reward_mean = mean([e.reward for e in episodes if e.status != "error"])
         # Usage so far rides along, so a killed run's state still says what it used (and a resume adds to it).
         self.coordinator.commit_update(step, {"reward_mean": reward_mean, "usage": self.usage.summary()})
         self._event("committed", "*")
-        record = _step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started)
+        record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started)
         record.update(truncation.columns(episodes, config.turn_limit()))
         if not self._truncation_warned and truncation.warrants_warning(record):
             self._truncation_warned = True  # once per run: the metrics line and the console say it
             record["warning"] = truncation.warning(record, config)
         if self.multi_agent:
-            record.update(_agent_metrics(episodes, self.policies))
+            record.update(agent_metrics(episodes, self.policies))
         limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
         for episode in sample_episodes(episodes, config.transcripts_per_step):
             task = tasks[episode.task_index] if 0 <= episode.task_index < len(tasks) else None
@@ -416,64 +416,6 @@ class _Run:
 
     def _say(self, message: str) -> None:
         print(message, flush=True)
-
-
-def _step_record(step, episodes, metrics: dict[str, dict], timings, versions: dict[str, int], seconds) -> dict:
-    ok = [e for e in episodes if e.status != "error"]
-    rewards = [e.reward for e in ok]
-    sampled = float(sum(e.mask.sum() for e in episodes))
-    merged = _merge_policy_metrics(metrics)
-    record = {
-        "step": step,
-        "reward_mean": _mean(rewards),
-        "reward_std": float(np.std(rewards)) if rewards else math.nan,
-        "loss": merged.get("loss", math.nan),
-        "kl": merged.get("kl", math.nan),
-        "entropy": merged.get("entropy", math.nan),
-        "grad_norm": merged.get("grad_norm", math.nan),
-        "clip_fraction": merged.get("clip_fraction", math.nan),
-        "sampled_tokens": sampled,
-        "trained_tokens": sum(m.get("tokens", 0.0) for m in metrics.values()),
-        "tokens_per_s": sampled / max(timings["rollout_s"], 1e-9),
-        "episodes": len(episodes),
-        "episodes_error": len(episodes) - len(ok),
-        "episodes_truncated": sum(e.status == "truncated" for e in episodes),
-        "trained_sequences": sum(m.get("trained_sequences", 0) for m in metrics.values()),
-        "turns_mean": _mean([e.num_turns for e in ok]),
-        "policy_version": max(versions.values()) if versions else 0,
-        "step_s": seconds,
-        **timings,
-    }
-    errors = [e for e in episodes if e.status == "error"]
-    if errors:
-        record["errors"] = [{"task_index": e.task_index, "error": e.error, "traceback": e.traceback} for e in errors[:5]]
-    sample = next((e for e in ok), None)
-    if sample is not None:
-        record["sample"] = sample.transcript[-1]["content"][:200]
-    return record
-
-
-def _merge_policy_metrics(metrics: dict[str, dict]) -> dict[str, float]:
-    """One value per metric across policies: the mean over policies that reported it."""
-    keys = {k for m in metrics.values() for k in m}
-    return {k: _mean([m[k] for m in metrics.values() if k in m and m[k] is not None]) for k in keys}
-
-
-def _agent_metrics(episodes: list[Episode], policies: list[str]) -> dict[str, float]:
-    """Per-policy reward and win/draw/loss rates over finished games."""
-    out: dict[str, float] = {}
-    for name in policies:
-        own = [e for e in episodes if e.status != "error" and e.info.get("policy") == name]
-        out[f"reward_mean/{name}"] = _mean([e.reward for e in own])
-        finished = [e for e in own if e.info.get("outcome") in ("win", "draw", "loss")]
-        for outcome in ("win", "draw", "loss"):
-            out[f"{outcome}_rate/{name}"] = _mean([e.info["outcome"] == outcome for e in finished]) if finished else math.nan
-    return out
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return float(np.mean(values)) if values else math.nan
 
 
 def _final_report(result: RunResult) -> str:
