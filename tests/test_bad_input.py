@@ -282,9 +282,9 @@ def write(path: Path, text: str) -> str:
         (lambda d: write(d / "list.jsonl", '{"prompt": "a"}\n[1, 2]\n'), r"list\.jsonl:2 is a list, not a dict"),
         (lambda d: write(d / "blank.jsonl", "\n\n"), "the task dataset is empty"),
         (lambda d: str(d / "missing.jsonl"), r"missing\.jsonl does not exist"),
-        (lambda d: (lambda rng: ["not", "a", "dict"]), "generated task 0 is a list, not a dict"),
-        (lambda d: (lambda rng: 1 / 0), "raised at index 0: ZeroDivisionError"),
-        (lambda d: 42, "tasks must be a list of dicts, a JSONL path or a generator function, got int"),
+        (lambda d: (lambda rng: ["not", "a", "dict"]), "returned a list, not one task dict"),
+        (lambda d: (lambda rng: 1 / 0), "raised at task 0: ZeroDivisionError"),
+        (lambda d: 42, "tasks is a int, which is not a form of tasks"),
     ],
     ids=["empty", "non-dict", "bad-json-line", "jsonl-non-dict", "blank-jsonl", "missing-file", "gen-non-dict", "gen-raises", "int"],
 )
