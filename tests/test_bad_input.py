@@ -108,9 +108,9 @@ def test_env_error_with_raise_keeps_earlier_checkpoints(tiny_model, tmp_path):
     calls = itertools.count()
 
     def make_task(rng):
-        # calls 0-2 are the checks before the model loads (TaskSource's own, then reset()'s fields on one
-        # batch of 2), then 2 calls per step: steps 0 and 1 are fine, step 2 explodes
-        return {"prompt": f"task {rng.randint(0, 9)}", "boom": next(calls) >= 7}
+        # each task index is made once, in order (the checks before the run make tasks 0-1, which step 0
+        # reuses): tasks 0-3 (steps 0 and 1) are fine, task 5 (in step 2) explodes
+        return {"prompt": f"task {rng.randint(0, 9)}", "boom": next(calls) >= 5}
 
     kwargs = settings(tiny_model, tmp_path, steps=4, checkpoint_every=1)
     with pytest.raises(EnvError) as info:

@@ -173,3 +173,17 @@ def test_train_refuses_a_task_reset_cannot_take_before_loading_the_model(tmp_pat
     monkeypatch.setattr(trainer, "make_backend", no_model)
     with pytest.raises(DatasetError, match="task 0 has no field 'target'"):
         tinkerless.train(env=NeedsTarget, tasks=[{"goal": 1}], steps=1, storage=str(tmp_path), progress=False)
+
+
+def test_the_check_before_the_run_reuses_the_tasks_it_made():
+    calls = []
+
+    def counted(rng):
+        calls.append(1)
+        return {"target": rng.randint(0, 9)}
+
+    source = TaskSource(counted)
+    check_reset_fields(NeedsTarget, source, count=4)
+    assert source.batch(0, 4)[0] == source.batch(0, 4)[0] and len(calls) == 4  # each index made once
+    source.batch(4, 2)
+    assert len(calls) == 6

@@ -36,6 +36,7 @@ class TaskSource:
         self._function: Callable[[random.Random], dict] | None = None
         self._static: list[dict] | None = None
         self._stream: _Stream | None = None
+        self._made: dict[int, dict] = {}  # task function results by index
         if isinstance(tasks, (str, Path)):
             self._static = load_jsonl(tasks)
         elif isinstance(tasks, (list, tuple)):
@@ -83,13 +84,9 @@ class TaskSource:
     def task(self, index: int) -> dict:
         """The task at stream position `index` (deterministic for a seed)."""
         if self._function is not None:
-            result = _call(self._function, (random.Random(f"{self.seed}:{index}"),), _name(self._function), index)
-            if inspect.isgenerator(result) or isinstance(result, (list, tuple)):
-                raise DatasetError(
-                    f"task function {_name(self._function)!r} returned a {type(result).__name__}, not one task dict",
-                    hint=f"return one dict per call, or make it a generator function that yields dicts\n{TASK_FORMS}",
-                )
-            return _check_task(result, f"task {index} from {_name(self._function)!r}")
+            if index not in self._made:  # each index is made once: the checks before a run reuse what they made
+                self._made[index] = self._make(index)
+            return self._made[index]
         if self._stream is not None:
             return self._stream.get(index)
         assert self._static is not None
@@ -99,7 +96,20 @@ class TaskSource:
             random.Random(f"{self.seed}:epoch:{epoch}").shuffle(order)
         return self._static[order[offset]]
 
+    def _make(self, index: int) -> dict:
+        assert self._function is not None
+        name = _name(self._function)
+        result = _call(self._function, (random.Random(f"{self.seed}:{index}"),), name, index)
+        if inspect.isgenerator(result) or isinstance(result, (list, tuple)):
+            raise DatasetError(
+                f"task function {name!r} returned a {type(result).__name__}, not one task dict",
+                hint=f"return one dict per call, or make it a generator function that yields dicts\n{TASK_FORMS}",
+            )
+        return _check_task(result, f"task {index} from {name!r}")
+
     def batch(self, cursor: int, size: int) -> tuple[list[dict], int]:
+        for index in [i for i in self._made if i < cursor]:  # the cursor only moves on: keep what is still ahead
+            del self._made[index]
         return [self.task(cursor + i) for i in range(size)], cursor + size
 
     def checked_sample(self, count: int) -> list[tuple[str, dict]]:
