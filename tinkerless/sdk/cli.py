@@ -125,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     _serving_limit_flags(serve)
     serve.add_argument("--no-auth", action="store_true", help="accept calls without an API key (trusted networks only)")
     serve.add_argument(
+        "--threads", type=int, default=None,
+        help="CPU threads for the model (default: OMP_NUM_THREADS, else the free usable cores; docs/threads.md)",
+    )
+    serve.add_argument(
         "--single-user", action="store_true",
         help="run clients' env/reward code inside the server process instead of a sandbox per tenant (your own server only)",
     )
@@ -263,6 +267,7 @@ def _serve(args) -> int:
         max_request_bytes=args.max_request_bytes, max_pending=args.max_pending,
         max_pending_per_tenant=args.max_pending_per_tenant, slice_seconds=args.slice_seconds, single_user=args.single_user,
         limits=ServingLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServingLimits)}),
+        threads=args.threads,
     )
     return 0
 
