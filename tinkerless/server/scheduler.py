@@ -362,7 +362,8 @@ class Scheduler:
                     refusal = self._refusal(job)
                     if refusal is not None:
                         self._refuse(job, refusal)
-                runnable = not job.future.done() and job.future.set_running_or_notify_cancel()
+                # A cancelled future still gets its notification (what set_running_or_notify_cancel is for).
+                runnable = (job.future.cancelled() or not job.future.done()) and job.future.set_running_or_notify_cancel()
             if runnable:
                 with slice_host(_Host(self, job)):
                     try:
