@@ -194,7 +194,9 @@ def test_a_client_killed_before_its_first_checkpoint_is_fenced_by_the_restore_un
         generating: dict = {}
         flood = HTTPBackend(url, api_key=theirs)
         long_sample = SampleRequest(BASE_POLICY, [[1, 2, 3]], 1, SamplingParams(max_tokens=1500, stop_token_ids=[]))
-        generator = threading.Thread(target=lambda: generating.update(r=call(flood, "sample", long_sample)), daemon=True)
+        generator = threading.Thread(
+            target=lambda: generating.update(r=call(flood, "sample", long_sample)), daemon=True
+        )
         generator.start()
         _wait_until(lambda: scheduler.in_flight > 0)
 

@@ -51,7 +51,9 @@ DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_PENDING_PER_TENANT = 256
 _GENERATING = ("sample", "rollout", "rollout_multi")  # the /v1/call methods checked against ServingLimits
 # The /v1/call methods that change (or read out) one policy's training state: fenced by the run that owns it.
-_POLICY_STATE = ("create_policy", "reset_policy", "forward_backward", "optim_step", "update", "save_state", "load_state")
+_POLICY_STATE = (
+    "create_policy", "reset_policy", "forward_backward", "optim_step", "update", "save_state", "load_state",
+)
 # Replies that carry an ErrorReply contain its type tag; only those are decoded to pick a status.
 _ERROR_TAG = f"{ErrorReply.__module__}:{ErrorReply.__qualname__}".encode()
 

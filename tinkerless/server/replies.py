@@ -8,7 +8,9 @@ import re
 from fastapi import Request
 from fastapi.responses import Response
 
-from tinkerless.errors import BarrierTimeout, CommitConflict, PhaseError, ProtocolError, StorageNotFound, TinkerlessError, UserError
+from tinkerless.errors import (
+    BarrierTimeout, CommitConflict, PhaseError, ProtocolError, StorageNotFound, TinkerlessError, UserError,
+)
 from tinkerless.wire import encode_message
 from tinkerless.wire.http import MSGPACK, SEQ_HEADER, STREAM_HEADER
 from tinkerless.wire.messages import ErrorReply

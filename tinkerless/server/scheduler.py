@@ -363,7 +363,8 @@ class Scheduler:
                     if refusal is not None:
                         self._refuse(job, refusal)
                 # A cancelled future still gets its notification (what set_running_or_notify_cancel is for).
-                runnable = (job.future.cancelled() or not job.future.done()) and job.future.set_running_or_notify_cancel()
+                runnable = job.future.cancelled() or not job.future.done()
+                runnable = runnable and job.future.set_running_or_notify_cancel()
             if runnable:
                 with slice_host(_Host(self, job)):
                     try:
