@@ -102,6 +102,11 @@ class CommitConflict(PreconditionFailed):
     category = "user"
 
 
+class StaleDriver(CommitConflict):
+    """A call from a client that no longer drives its run: another client opened (took over) or resumed the
+    run, and the run's policies on the server now take calls only from that client."""
+
+
 class StorageConfigError(StorageError, ConfigError):
     """The storage location cannot be used as configured: missing credentials, no such bucket, access denied."""
 

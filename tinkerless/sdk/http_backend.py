@@ -9,7 +9,9 @@ body) goes into `self.usage`: queueing and network time are not billed.
 Every call carries this client's stream id and a sequence number, so the server runs
 them in the order they were made even when threads or retries make them arrive out of
 order. A 429 (queue full) is retried after the server's Retry-After, with the same
-sequence number, for up to `busy_timeout` seconds.
+sequence number, for up to `busy_timeout` seconds. The stream id also names this client
+as a run's driver: once another client opens (takes over) the run, the server refuses
+this one's calls on the run's policies with `StaleDriver` (409).
 """
 
 from __future__ import annotations
@@ -66,9 +68,10 @@ class HTTPBackend:
         """POST a msgpack envelope to `path`; the reply's bytes (error envelopes included).
 
         `ordered` calls carry this client's stream and next sequence number: the server runs
-        them on the model in that order. Coordinator calls (`ordered=False`) skip the queue."""
+        them on the model in that order. Coordinator calls (`ordered=False`) skip the queue; they
+        carry the stream alone, so a run opened here fences off its earlier driver's worker calls."""
         url = f"{self.base_url}{path}"
-        headers = {"Content-Type": MSGPACK}
+        headers = {"Content-Type": MSGPACK, STREAM_HEADER: self._stream}
         if ordered:
             with self._seq_lock:
                 headers.update({STREAM_HEADER: self._stream, SEQ_HEADER: str(next(self._seq))})

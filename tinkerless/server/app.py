@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_PENDING_PER_TENANT = 256
 _GENERATING = ("sample", "rollout", "rollout_multi")  # the /v1/call methods checked against ServingLimits
+# The /v1/call methods that change (or read out) one policy's training state: fenced by the run that owns it.
+_POLICY_STATE = (
+    "create_policy", "reset_policy", "forward_backward", "optim_step", "update", "save_state", "load_state",
+)
 # Replies that carry an ErrorReply contain its type tag; only those are decoded to pick a status.
 _ERROR_TAG = f"{ErrorReply.__module__}:{ErrorReply.__qualname__}".encode()
 
@@ -123,16 +127,21 @@ def create_app(
             stream, seq = stream_of(request)
         except ProtocolError as exc:
             return error_response(400, exc)
+        policies: frozenset[str] = frozenset()
         try:
             body = await read_body(request, max_request_bytes)
             if method in _GENERATING and hasattr(worker, "chat"):
                 await asyncio.to_thread(_check_limits, limits, worker, method, body)
             # Multi-tenant: scope every policy name to the caller, once the request is known sound. `info`
             # ignores its request and unknown methods are refused by the worker: their bodies are never walked.
+            decoded = None
             if tenant and method != "info" and (not known_methods or method in known_methods):
                 decoded = decode_message(body)
                 validate(decoded)  # the worker validates again, token ids included, after scoping
-                body = encode_message(scope(decoded, tenant_prefix(tenant)))
+                decoded = scope(decoded, tenant_prefix(tenant))
+                body = encode_message(decoded)
+            if method in _POLICY_STATE:
+                policies = _policy_named(method, decoded, body)
         except LimitExceeded as exc:
             if stream is not None:
                 scheduler.skip(tenant, stream, seq)
@@ -168,7 +177,7 @@ def create_app(
             return _reply(label, tenant, *run())
 
         try:
-            future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq)
+            future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq, policies=policies)
         except QueueFull as full:
             stats.count(label, 429)
             return error_response(
@@ -179,7 +188,7 @@ def create_app(
         # Shielded: a dropped client must not cancel a call that may be mid-update on the model.
         try:
             reply, compute_seconds = await asyncio.shield(asyncio.wrap_future(future))
-        except TinkerlessError as exc:  # refused by the scheduler (a reused sequence number)
+        except TinkerlessError as exc:  # refused by the scheduler (a reused sequence number, a replaced driver)
             stats.count(label, status_of(exc))
             return error_response(status_of(exc), exc)
         return _reply(label, tenant, reply, compute_seconds)
@@ -198,7 +207,7 @@ def create_app(
         from tinkerless.storage import ObjectStore
 
         store = ObjectStore(storage or tempfile.mkdtemp(prefix="tinkerless-serve-"))
-        app.state.runs = RunService(store, worker)
+        app.state.runs = RunService(store, worker, fence=scheduler)
         app.include_router(make_router(app.state.runs, scheduler, tenant_of, max_request_bytes))
 
     if tinker_api and hasattr(worker, "model_name"):
@@ -301,6 +310,20 @@ def _check_limits(limits: ServingLimits, worker, method: str, body: bytes) -> No
     except Exception:  # noqa: BLE001
         return  # the worker answers malformed bodies with their own typed error
     limits.check_call(method, request, lambda text: len(worker.chat.prompt_tokens([{"role": "user", "content": text}])))
+
+
+def _policy_named(method: str, decoded: Any, body: bytes) -> frozenset[str]:
+    """The (tenant-scoped) policy whose state a `_POLICY_STATE` call changes; none for a body the worker
+    will refuse anyway (it answers malformed requests with their own typed error)."""
+    if decoded is None:
+        try:
+            decoded = decode_message(body)
+        except ProtocolError:
+            return frozenset()
+    if method == "load_state":
+        decoded = getattr(decoded, "state", None)
+    name = getattr(decoded, "policy", None)
+    return frozenset([name]) if isinstance(name, str) else frozenset()
 
 
 def _status_for(reply: bytes) -> int:

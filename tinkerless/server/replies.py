@@ -8,7 +8,9 @@ import re
 from fastapi import Request
 from fastapi.responses import Response
 
-from tinkerless.errors import BarrierTimeout, PhaseError, ProtocolError, StorageNotFound, TinkerlessError, UserError
+from tinkerless.errors import (
+    BarrierTimeout, CommitConflict, PhaseError, ProtocolError, StorageNotFound, TinkerlessError, UserError,
+)
 from tinkerless.wire import encode_message
 from tinkerless.wire.http import MSGPACK, SEQ_HEADER, STREAM_HEADER
 from tinkerless.wire.messages import ErrorReply
@@ -48,8 +50,9 @@ def error_response(
 
 
 def status_of(exc: TinkerlessError) -> int:
-    """409 for a run in another state than the call needs, 404 for a missing object, else 400 (user) or 500."""
-    if isinstance(exc, (PhaseError, BarrierTimeout)):
+    """409 for a run in another state than the call needs (or driven by another client), 404 for a missing
+    object, else 400 (user) or 500."""
+    if isinstance(exc, (PhaseError, BarrierTimeout, CommitConflict)):
         return 409
     if isinstance(exc, StorageNotFound):
         return 404

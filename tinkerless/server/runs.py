@@ -10,6 +10,11 @@ storage (`ObjectStore.child`), so a run id names a run only within its tenant. O
 coordinators stay in memory, which is what lets a barrier wait here; after a restart
 they are reopened from ``state.json`` on first use. Checkpoint calls read and load the
 worker's adapters, so they run on the model's scheduler, in the client's call order.
+
+The fence: the worker policies a run checkpoints belong to its driver's call stream
+(`Scheduler.bind`), from its saves and restores on, and pass to the next client as soon as
+it opens the run (takeover). So after a takeover, or a restore, no call the earlier
+driver sent (queued, held behind a gap, or sent late) can change them: it gets a 409.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import tenant_prefix
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.wire import decode_message, encode_message
-from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK
+from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, STREAM_HEADER
 from tinkerless.wire.validate import run_call_args, validate
 from tinkerless.wire.messages import LoadStateRequest, PolicyState, ResetPolicyRequest, SaveStateRequest
 from tinkerless.wire.runs import (
@@ -62,11 +67,17 @@ class _Hosted:
 class RunService:
     """The coordinators and checkpoints of the runs that clients drive through this server."""
 
-    def __init__(self, store: ObjectStore, worker: Any, *, long_poll: float = LONG_POLL_SECONDS):
+    def __init__(
+        self, store: ObjectStore, worker: Any, *, long_poll: float = LONG_POLL_SECONDS, fence: Scheduler | None = None
+    ):
         self.store = store
         self.worker = worker
+        self.fence = fence  # the scheduler whose `bind` gives a run's policies to its current driver
         self.long_poll = long_poll
         self._hosted: dict[tuple[str, str], _Hosted] = {}
+        # Each run's worker policies (tenant-scoped), learned from its saves and restores; kept past
+        # `finish`, since a finished run can be resumed to train on.
+        self._policies: dict[tuple[str, str], set[str]] = {}
         self._lock = threading.Lock()
         self.redact = Redactor(store.url)
 
@@ -75,7 +86,8 @@ class RunService:
 
     # -- coordinator calls ---------------------------------------------------------------
 
-    def call(self, tenant: str, method: str, request: RunCall) -> RunReply:
+    def call(self, tenant: str, method: str, request: RunCall, stream: str | None = None) -> RunReply:
+        """Coordinator call `method`; `stream` is the caller's call stream (its worker calls' X-Tinkerless-Stream)."""
         run_id = validate_run_id(request.run_id)
         run_call_args(method, request.args)
         store = self.tenant_store(tenant)
@@ -87,6 +99,9 @@ class RunService:
             lease = uuid.uuid4().hex  # whoever opened last drives the run
             with self._lock:
                 self._hosted[(tenant, run_id)] = _Hosted(coordinator, lease)
+            # A takeover: the earlier driver's calls that are still queued or on their way can no longer
+            # change the run's policies (its restore comes next, and resets them).
+            self._bind(tenant, run_id, stream, ())
             return RunReply(coordinator.state.to_dict(), lease)
         if method == "state":
             with self._lock:
@@ -132,14 +147,25 @@ class RunService:
             )
         return hosted
 
+    def _bind(self, tenant: str, run_id: str, stream: str | None, policies: list[CheckpointPolicy]) -> None:
+        """Give the run's policies (those known, and `policies`) to the driver's `stream`. A driver that
+        sends no stream id (a hand-made client) cannot be told from another one, so it gets no fence."""
+        with self._lock:
+            known = self._policies.setdefault((tenant, run_id), set())
+            known.update(_on_worker(tenant, p) for p in policies)
+            known = set(known)
+        if self.fence is not None and stream is not None:
+            self.fence.bind(tenant, stream, known)
+
     def list(self, tenant: str, request: RunListRequest) -> RunList:
         runs = list_runs(self.tenant_store(tenant))
         return RunList([r.to_dict() for r in runs if request.name is None or r.config.get("name") == request.name])
 
     # -- checkpoints (on the scheduler's thread: they touch the worker) ------------------
 
-    def save_checkpoint(self, tenant: str, request: SaveCheckpointRequest) -> RunReply:
+    def save_checkpoint(self, tenant: str, request: SaveCheckpointRequest, stream: str | None = None) -> RunReply:
         hosted = self._driver(tenant, validate_run_id(request.run_id), request.lease)
+        self._bind(tenant, request.run_id, stream, request.policies)
 
         def read(policy: CheckpointPolicy) -> dict[str, bytes]:
             return self.worker.save_state(SaveStateRequest(_on_worker(tenant, policy), True)).files
@@ -149,10 +175,12 @@ class RunService:
         hosted.coordinator.record_checkpoint(request.step)  # the run's state names its checkpoint at once
         return RunReply(hosted.coordinator.state.to_dict(), hosted.lease)
 
-    def restore_checkpoint(self, tenant: str, request: RestoreCheckpointRequest):
+    def restore_checkpoint(self, tenant: str, request: RestoreCheckpointRequest, stream: str | None = None):
         validate_run_id(request.run_id)
         if request.lease is not None:  # the run's driver resuming it; without a lease, a read (eval)
+            # Bound before the reset: the earlier driver's calls still queued are refused, not run after it.
             self._driver(tenant, request.run_id, request.lease)
+            self._bind(tenant, request.run_id, stream, request.policies)
         elif not self.tenant_store(tenant).exists(state_key(request.run_id)):
             raise UserError(f"run {request.run_id!r} does not exist on this server", hint="see `tinkerless runs --server URL`")
 
@@ -188,7 +216,9 @@ def make_router(
     # Coordinator calls never touch the model, and a barrier wait may block: their own threads.
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="tinkerless-runs")
 
-    async def answer(request: Request, expected: type, run: Callable[[str, Any], Any], ordered: bool) -> Response:
+    async def answer(
+        request: Request, expected: type, run: Callable[[str, Any, str | None], Any], ordered: bool
+    ) -> Response:
         tenant = tenant_of(request)
         if tenant is None:
             return unauthorized()
@@ -196,6 +226,11 @@ def make_router(
         try:
             if ordered:
                 stream, seq = stream_of(request)
+            else:  # coordinator calls carry the caller's stream id too (no number: they skip the queue)
+                stream = request.headers.get(STREAM_HEADER)
+                if stream is not None and not 0 < len(stream) <= 128:
+                    raise ProtocolError(f"invalid {STREAM_HEADER} (of {len(stream)} characters)",
+                                        hint="a stream id is 1-128 characters")
             body = decode_message(await read_body(request, max_request_bytes))
             if not isinstance(body, expected):
                 raise ProtocolError(
@@ -203,16 +238,16 @@ def make_router(
                 )
             validate(body)
         except RequestTooLarge as exc:
-            if stream is not None:
+            if ordered and stream is not None:
                 scheduler.skip(tenant, stream, seq)
             return error_response(413, ProtocolError(f"request body of {exc.size} bytes is over the limit of {exc.limit}"))
         except ProtocolError as exc:
-            if stream is not None:
+            if ordered and stream is not None and seq is not None:
                 scheduler.skip(tenant, stream, seq)
             return error_response(400, exc, redact=service.redact)
         def timed() -> tuple[Any, float]:
             started = time.perf_counter()
-            return run(tenant, body), time.perf_counter() - started
+            return run(tenant, body, stream), time.perf_counter() - started
 
         try:
             if ordered:
@@ -236,11 +271,12 @@ def make_router(
 
     @router.post("/v1/runs/call/{method}")
     async def run_call(method: str, request: Request) -> Response:
-        return await answer(request, RunCall, lambda tenant, body: service.call(tenant, method, body), ordered=False)
+        return await answer(request, RunCall, lambda tenant, body, stream: service.call(tenant, method, body, stream),
+                            ordered=False)
 
     @router.post("/v1/runs/list")
     async def run_list(request: Request) -> Response:
-        return await answer(request, RunListRequest, service.list, ordered=False)
+        return await answer(request, RunListRequest, lambda tenant, body, _: service.list(tenant, body), ordered=False)
 
     @router.post("/v1/runs/checkpoint/save")
     async def save(request: Request) -> Response:

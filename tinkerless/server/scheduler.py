@@ -24,6 +24,15 @@ one to the next. Four rules pick who runs:
 A client may reserve a sequence number and never send it (it failed before
 sending). After `gap_timeout` seconds a stream stuck on such a gap skips ahead,
 with a warning, rather than hanging its later calls forever.
+
+**The resume fence.** A run driven through the server owns its policies: `bind` gives
+them to one stream (the run's current driver, on open, save and restore). A job that
+changes a policy (`Job.policies`) owned by another stream is refused with `StaleDriver`
+(409), whether it arrives later, waits in the queue (refused at once, gaps or not) or
+reaches its turn. So once a second client has taken a run over and restored it, no call
+sent by the killed or replaced client can change the restored policies. A job that is
+already running when `bind` is called finished its change first: the binding client's
+restore is a later job, so it is ordered after it.
 """
 
 from __future__ import annotations
@@ -34,9 +43,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from tinkerless.errors import SequenceReused
+from tinkerless.errors import SequenceReused, StaleDriver
 from tinkerless.functions.slicing import slice_host
 
 logger = logging.getLogger(__name__)
@@ -62,6 +71,7 @@ class Job:
     fn: Callable[[], Any]
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     counted: bool = True  # counts against its tenant's quota (skip placeholders do not)
+    policies: frozenset[str] = frozenset()  # the policies it changes: fenced by `Scheduler.bind`
     thread: threading.Thread | None = None  # set once started
     turn: threading.Event = field(default_factory=threading.Event)  # set: the job may run
     handback: threading.Event = field(default_factory=threading.Event)  # set: the job paused or finished
@@ -115,6 +125,7 @@ class Scheduler:
         self._ready: dict[str, deque[Job]] = {}  # tenant -> runnable jobs in arrival order
         self._turns: deque[str] = deque()  # tenants with runnable jobs, in round-robin order
         self._streams: dict[tuple[str, str], _Stream] = {}
+        self._owners: dict[tuple[str, str], str | None] = {}  # (tenant, policy) -> the stream driving its run
         self._pending = 0  # jobs not yet started
         self._unfinished: dict[str, int] = {}  # tenant -> its jobs queued, running or paused
         self.in_flight = 0  # jobs started and not finished (one running, others paused)
@@ -127,9 +138,16 @@ class Scheduler:
     # -- submitting ---------------------------------------------------------------
 
     def submit(
-        self, fn: Callable[[], Any], *, tenant: str = "", stream: str | None = None, seq: int | None = None
+        self,
+        fn: Callable[[], Any],
+        *,
+        tenant: str = "",
+        stream: str | None = None,
+        seq: int | None = None,
+        policies: frozenset[str] = frozenset(),
     ) -> concurrent.futures.Future:
-        """Queue `fn`; its future resolves to fn's result (or exception) once it has run."""
+        """Queue `fn`, which changes `policies`; its future resolves to fn's result (or exception) once it
+        has run, or to `StaleDriver` when one of those policies belongs to another stream's run."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the scheduler is closed")
@@ -138,12 +156,19 @@ class Scheduler:
             mine = self._unfinished.get(tenant, 0)
             if self.max_pending_per_tenant is not None and mine >= self.max_pending_per_tenant:
                 raise QueueFull(mine, retry_after=self._retry_after(mine), tenant_quota=self.max_pending_per_tenant)
-            job = Job(tenant, stream, seq, fn)
+            job = Job(tenant, stream, seq, fn, policies=frozenset(policies))
             if stream is not None and seq is not None:
                 state = self._streams.setdefault((tenant, stream), _Stream())
                 if seq < state.next_seq or seq in state.waiting:
                     job.future.set_exception(SequenceReused(seq, state.next_seq))
                     return job.future
+            refusal = self._refusal(job)
+            if refusal is not None:  # a replaced driver: refused now, its number used so later ones never wait
+                job.future.set_exception(refusal)
+                if stream is not None and seq is not None:
+                    self._placeholder(state, job)
+                    self._cond.notify_all()
+                return job.future
             self._pending += 1
             self._unfinished[tenant] = mine + 1
             if stream is None or seq is None:
@@ -163,9 +188,26 @@ class Scheduler:
                 if refuse_reused:
                     raise SequenceReused(seq, state.next_seq)
                 return
-            state.waiting[seq] = Job(tenant, stream, seq, lambda: None, counted=False)
-            self._pending += 1
-            self._release(state)
+            self._placeholder(state, Job(tenant, stream, seq, lambda: None, counted=False))
+            self._cond.notify_all()
+
+    def bind(self, tenant: str, stream: str | None, policies: Iterable[str]) -> None:
+        """Give `policies` to `stream`, the driver of their run: from now on only its calls may change them.
+
+        Every queued job of another stream that changes one of them is refused at once (`StaleDriver`),
+        including jobs held behind a gap in their stream, which would otherwise run once the gap times out.
+        A job already running is left to finish: the caller's next job on the model is ordered after it."""
+        policies = frozenset(policies)
+        if not policies:
+            return
+        with self._cond:
+            for policy in policies:
+                self._owners[(tenant, policy)] = stream
+            queued = [job for job in self._ready.get(tenant, ())]
+            queued += [job for (t, _), state in self._streams.items() if t == tenant for job in state.waiting.values()]
+            for job in queued:
+                if job.stream != stream and job.policies & policies and not job.future.running():
+                    self._refuse(job, self._refusal(job))
             self._cond.notify_all()
 
     # -- state --------------------------------------------------------------------
@@ -182,6 +224,39 @@ class Scheduler:
         self._thread.join(timeout)
 
     # -- internals (called with the lock held unless said otherwise) ------------------
+
+    def _refusal(self, job: Job) -> StaleDriver | None:
+        """`StaleDriver` when `job` changes a policy that another stream's run now owns."""
+        for policy in job.policies:
+            owner = self._owners.get((job.tenant, policy), job.stream)
+            if owner != job.stream:
+                return StaleDriver(
+                    "this call would change a policy of a run that another client has since opened or resumed, "
+                    "and that client now drives it; calls from the replaced client are refused",
+                    hint="this client no longer drives its run: stop it. To drive the run from here, resume it "
+                    "again (`tinkerless train ... --resume`), which takes it over from the other client",
+                )
+        return None
+
+    def _refuse(self, job: Job, refusal: Exception | None) -> None:
+        """Answer a queued job with `refusal` now; it stays in place as a no-op, so its stream's order holds."""
+        if job.future.done():
+            return
+        job.future.set_exception(refusal)
+        job.fn = lambda: None
+        if job.counted:  # its tenant's quota is free again at once
+            job.counted = False
+            self._unfinished[job.tenant] -= 1
+            if not self._unfinished[job.tenant]:
+                del self._unfinished[job.tenant]
+
+    def _placeholder(self, state: _Stream, job: Job) -> None:
+        """Mark `job`'s sequence number used by a job that runs nothing."""
+        job.counted = False
+        job.fn = lambda: None
+        state.waiting[job.seq] = job
+        self._pending += 1
+        self._release(state)
 
     def _retry_after(self, ahead: int = 8) -> float:
         # About the time the calls ahead take to finish, so a retry finds room; 1-30 s.
@@ -282,7 +357,15 @@ class Scheduler:
     def _run(self, job: Job) -> None:
         """A job's thread: runs its function, pausing at safe points when other tenants wait."""
         try:
-            if job.future.set_running_or_notify_cancel():
+            with self._cond:  # atomic with `bind`: a job either runs as its stream's driver or is refused
+                if not job.future.done() and not job.future.running():
+                    refusal = self._refusal(job)
+                    if refusal is not None:
+                        self._refuse(job, refusal)
+                # A cancelled future still gets its notification (what set_running_or_notify_cancel is for).
+                runnable = job.future.cancelled() or not job.future.done()
+                runnable = runnable and job.future.set_running_or_notify_cancel()
+            if runnable:
                 with slice_host(_Host(self, job)):
                     try:
                         result = job.fn()
