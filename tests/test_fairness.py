@@ -23,6 +23,7 @@ from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.storage import ObjectStore
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import (
+    ResetPolicyRequest,
     EpisodeLimits,
     ErrorReply,
     MultiAgentRolloutRequest,
@@ -164,18 +165,19 @@ def test_a_tenant_over_its_quota_gets_http_429_with_retry_after(tmp_path):
     alice, bob = keys.create("alice"), keys.create("bob")
     worker = SlowWorker()
     app = create_app(worker, keys=keys, max_pending_per_tenant=1)
+    request = encode_message(ResetPolicyRequest("p"))  # a tenant's body must be a request type to get queued
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         auth = lambda key: {**MSGPACK, "Authorization": f"Bearer {key}"}  # noqa: E731
         holder = threading.Thread(target=client.post, args=("/v1/call/slow",),
-                                  kwargs={"content": encode_message({}), "headers": auth(alice)})
+                                  kwargs={"content": request, "headers": auth(alice)})
         holder.start()
         assert worker.entered.wait(10)
-        refused = client.post("/v1/call/fast", content=encode_message({}), headers=auth(alice))
+        refused = client.post("/v1/call/fast", content=request, headers=auth(alice))
         assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
         error = decode_message(refused.content)
         assert isinstance(error, ErrorReply) and "max_pending_per_tenant" in error.error
         queued = threading.Thread(target=client.post, args=("/v1/call/fast",),
-                                  kwargs={"content": encode_message({}), "headers": auth(bob)})
+                                  kwargs={"content": request, "headers": auth(bob)})
         queued.start()  # bob is not refused: his call queues behind alice's running one
         time.sleep(0.2)
         assert app.state.scheduler.pending == 1

@@ -39,7 +39,7 @@ def test_a_server_dying_mid_call_names_that_call_not_finish(tiny_model, tmp_path
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "tinkerless.sdk.cli", "serve", "--model", tiny_model, "--port", str(port), "--no-auth",
-         "--storage", str(tmp_path / "server")],
+         "--single-user", "--storage", str(tmp_path / "server")],  # the reward below touches a marker file here
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
