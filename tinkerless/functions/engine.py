@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from tinkerless.errors import UserError
-from tinkerless.functions.slicing import slice_due, yield_slice
+from tinkerless.functions.batcher import BASE_ADAPTER, Batcher
 from tinkerless.wire.messages import SamplingParams
 
 # Rows x (prompt + max_tokens) positions one batch may hold in its KV cache (~3 GB for SmolLM2-135M in fp32).
@@ -138,6 +138,25 @@ class GenerationJob:
         self._draw(out.logits[:, -1, :].float())
 
     def _draw(self, logits: torch.Tensor) -> None:
+        keep, picks = self.choose(logits)
+        if len(keep) < self._attention.shape[0]:  # finished rows leave the batch: nothing is decoded (or padded) after them
+            if keep:
+                self._cache.batch_select_indices(torch.tensor(keep, device=self.device))
+            self._attention = self._attention[keep]
+            self._positions = self._positions[keep]
+        if not keep:
+            self._cache = None  # free the KV cache now, not when the job is dropped
+            return
+        self._input = torch.tensor(picks, dtype=torch.long, device=self.device)[:, None]
+        self._attention = torch.cat([self._attention, self._attention.new_ones((len(keep), 1))], dim=1)
+        self._positions = self._positions[:, -1:] + 1
+
+    def choose(self, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Draw one token for each active row from `logits` (one line per active row, in order) and record it.
+
+        Returns (keep, picks): the positions among the active rows that go on decoding, and the
+        token each of them drew (its next input). Rows that stopped leave `active`.
+        """
         logprobs = torch.log_softmax(logits, dim=-1)  # of the untempered distribution: what training recomputes
         if self.sampling.temperature > 0:
             scores = logits / self.sampling.temperature
@@ -159,19 +178,19 @@ class GenerationJob:
                 row.stop_reason = "length"
             else:
                 keep.append(b)
-        if len(keep) < len(self._active):  # finished rows leave the batch: nothing is decoded (or padded) after them
-            if keep:
-                self._cache.batch_select_indices(torch.tensor(keep, device=self.device))
-            self._active = [self._active[b] for b in keep]
-            self._attention = self._attention[keep]
-            self._positions = self._positions[keep]
-            picks = [picks[b] for b in keep]
-        if not keep:
-            self._cache = None  # free the KV cache now, not when the job is dropped
-            return
-        self._input = torch.tensor(picks, dtype=torch.long, device=self.device)[:, None]
-        self._attention = torch.cat([self._attention, self._attention.new_ones((len(keep), 1))], dim=1)
-        self._positions = self._positions[:, -1:] + 1
+        self._active = [self._active[b] for b in keep]
+        return keep, [picks[b] for b in keep]
+
+    @property
+    def active_rows(self) -> int:
+        return len(self._active)
+
+    def take_state(self) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hand this job's KV cache, next input, attention mask and positions to a shared batch, which
+        decodes its rows from now on (and calls `choose` with their logits)."""
+        state = (self._cache, self._input, self._attention, self._positions)
+        self._cache = None
+        return state
 
     def _sample(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per active row by inverse CDF, with one uniform draw from each row's own generator
@@ -202,6 +221,7 @@ class TransformersEngine:
         activate_policy: Callable[[str | None], object],
         max_batch_size: int = 64,
         max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
+        adapter_of: Callable[[str | None], str] | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -210,6 +230,8 @@ class TransformersEngine:
         self.max_batch_size = max_batch_size
         self.max_batch_positions = max_batch_positions
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        self.adapter_of = adapter_of  # policy -> peft adapter name, for batches that mix policies
+        self.batcher = Batcher(self)
 
     @property
     def device(self) -> torch.device:
@@ -240,21 +262,12 @@ class TransformersEngine:
             start = end
         return spans
 
+    def adapter_name(self, policy: str | None) -> str:
+        """The peft adapter that holds `policy`'s weights in a mixed batch (peft's "__base__": no adapter)."""
+        return self.adapter_of(policy) if self.adapter_of is not None else (policy or BASE_ADAPTER)
+
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int
     ) -> list[Generation]:
-        results: list[Generation] = []
-        for start, end in self.batches(prompts, sampling.max_tokens):
-            job = self.start(prompts[start:end], sampling, seed=seed, first_index=start)
-            while not job.done:
-                # One slice: steps until the job ends or the host wants the model for someone else.
-                # The adapter is activated per slice, since other calls may switch it in between.
-                with torch.no_grad(), self.activate_policy(policy):
-                    while not job.done:
-                        job.advance(self.model)
-                        if slice_due():
-                            break
-                if not job.done:
-                    yield_slice()
-            results.extend(job.results())
-        return results
+        """Sample, in one batch with every other generate call running at the time (`batcher`)."""
+        return self.batcher.generate(prompts, sampling, policy=policy, seed=seed)

@@ -66,6 +66,7 @@ class Job:
     turn: threading.Event = field(default_factory=threading.Event)  # set: the job may run
     handback: threading.Event = field(default_factory=threading.Event)  # set: the job paused or finished
     finished: bool = False
+    admit: bool = False  # paused so that a not-yet-started job could start
     started: float = 0.0
     slice_started: float = 0.0
 
@@ -88,8 +89,12 @@ class _Host:
             return False
         return self.scheduler._others_waiting(self.job.tenant)
 
+    def joinable(self) -> bool:
+        return self.scheduler._new_job_ready()
+
     def pause(self) -> None:
         job = self.job
+        job.admit = self.scheduler._new_job_ready()  # start that job next, not the round-robin pick
         job.turn.clear()
         job.handback.set()  # the scheduler thread takes the model back...
         job.turn.wait()  # ...and hands it over again on this job's next turn
@@ -192,6 +197,33 @@ class Scheduler:
         with self._cond:
             return any(t != tenant and self._ready.get(t) for t in self._turns)
 
+    def _new_job_ready(self) -> bool:
+        """Whether a job that has not started could start now (takes the lock): see `_next_new_job`."""
+        with self._cond:
+            return self._find_new_job() is not None
+
+    def _find_new_job(self) -> tuple[str, Job] | None:
+        """The first not-yet-started ready job, tenants in turn order, whose stream has no job started
+        and unfinished (streams keep their order), or None."""
+        busy = {(j.tenant, j.stream) for q in self._ready.values() for j in q if j.thread is not None}
+        for tenant in self._turns:
+            for job in self._ready.get(tenant, ()):
+                if job.thread is None and (job.stream is None or (tenant, job.stream) not in busy):
+                    return tenant, job
+        return None
+
+    def _next_new_job(self) -> Job | None:
+        """Take the job `_find_new_job` names out of its queue (its tenant keeps its place in the turns)."""
+        found = self._find_new_job()
+        if found is None:
+            return None
+        tenant, job = found
+        queue = self._ready[tenant]
+        queue.remove(job)
+        if not queue:
+            self._turns.remove(tenant)
+        return job
+
     def _make_ready(self, job: Job) -> None:
         queue = self._ready.setdefault(job.tenant, deque())
         if not queue and job.tenant not in self._turns:
@@ -238,9 +270,12 @@ class Scheduler:
         return None
 
     def _loop(self) -> None:
+        admit = False  # the last job paused so that a queued job could start (and join its batch)
         while True:
             with self._cond:
-                job = self._next_job()
+                job = self._next_new_job() if admit else None
+                admit = False
+                job = job or self._next_job()
                 while job is None:
                     if self._closed:
                         return
@@ -263,6 +298,7 @@ class Scheduler:
                             del self._unfinished[job.tenant]
                 else:  # paused: first in its tenant's line again, its tenant last in the turns
                     self.slices += 1
+                    admit = job.admit
                     queue = self._ready.setdefault(job.tenant, deque())
                     queue.appendleft(job)
                     if job.tenant not in self._turns:
