@@ -63,6 +63,7 @@ class Batcher:
         self._positions: torch.Tensor | None = None
         self.steps = 0  # shared decode steps run (a statistic for tests and benchmarks)
         self.widest = 0  # the most rows one step has decoded together
+        self.most_jobs = 0  # the most jobs (parts of requests) one step has decoded together
 
     @property
     def rows(self) -> int:
@@ -140,6 +141,7 @@ class Batcher:
         self._cache = out.past_key_values
         self.steps += 1
         self.widest = max(self.widest, self._input.shape[0])
+        self.most_jobs = max(self.most_jobs, len(self._running))
         logits = out.logits[:, -1, :].float()
         keep: list[int] = []
         picks: list[int] = []
