@@ -3,10 +3,11 @@
 Each call (a Tinker `sample`, `/v1/call/sample`, a rollout's turn) registers its rows as
 `GenerationJob`s and then drives the shared batch until its own rows are done:
 
-* **Join at the next step.** A registered job waits until the driving thread's next step,
-  where it is prefilled on its own (so its prompt never changes other rows' results) and its
-  KV cache is merged into the running batch, left-padded to the longer cache; padding is
-  masked and every row carries its own positions, so it takes no part in any row's result.
+* **Join at the next step.** Registered jobs wait for the driving thread's next step, where
+  they are prefilled together in a forward of their own (so a prompt never changes the running
+  rows' results) and their KV cache is merged into the running batch, left-padded to the longer
+  cache; padding is masked and every row carries its own positions, so it takes no part in any
+  row's result.
 * **Leave when finished.** A row that stops is dropped from the cache at once.
 * **Mixed policies in one forward.** Rows of different LoRA adapters (and of the base model)
   go through one forward with peft's per-row `adapter_names`; a batch of one policy simply
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from tinkerless.functions.slicing import join_due, slice_due, yield_slice
 from tinkerless.wire.messages import SamplingParams
@@ -49,6 +51,31 @@ class _Member:
     policy: str | None
 
 
+@dataclass
+class _Block:
+    """Rows decoded by one forward: their members (in row order), KV cache, next input, mask, positions."""
+    members: list[_Member]
+    cache: DynamicCache | None
+    input: torch.Tensor
+    attention: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return sum(m.job.active_rows for m in self.members)
+
+    def extend(self, other: _Block) -> None:
+        """Append `other`'s rows; the shorter KV cache is left-padded (masked: it counts for no row)."""
+        width = max(self.attention.shape[1], other.attention.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, width - 1, -2), _left_pad(theirs.keys, width - 1, -2)])
+            mine.values = torch.cat([_left_pad(mine.values, width - 1, -2), _left_pad(theirs.values, width - 1, -2)])
+        self.attention = torch.cat([_left_pad(self.attention, width, -1), _left_pad(other.attention, width, -1)])
+        self.input = torch.cat([self.input, other.input])
+        self.positions = torch.cat([self.positions, other.positions])
+        self.members += other.members
+
+
 class Batcher:
     """The shared running batch of one `TransformersEngine` (see the module docstring)."""
 
@@ -56,18 +83,17 @@ class Batcher:
         self.engine = engine
         self._lock = threading.RLock()
         self._waiting: list[_Member] = []  # registered, to be prefilled at the next step
-        self._running: list[_Member] = []  # in the batch; their active rows in this order
-        self._cache = None
-        self._input: torch.Tensor | None = None
-        self._attention: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None
-        self.steps = 0  # shared decode steps run (a statistic for tests and benchmarks)
-        self.widest = 0  # the most rows one step has decoded together
-        self.most_jobs = 0  # the most jobs (parts of requests) one step has decoded together
+        self._running: _Block | None = None
+        # False: a generation does not pause for queued calls to join it (they wait for it to end or for
+        # a time slice), so calls decode one after another: the "before" of bench/batching.py.
+        self.join_queued_calls = True
+        self.steps = 0  # forwards run, prefills included (a statistic for tests and benchmarks)
+        self.widest = 0  # the most rows one forward has decoded together
+        self.most_jobs = 0  # the most jobs (parts of requests) one forward has decoded together
 
     @property
     def rows(self) -> int:
-        return sum(m.job.active_rows for m in self._running)
+        return self._running.rows if self._running is not None else 0
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int
@@ -77,11 +103,13 @@ class Batcher:
                 for start, end in engine.batches(prompts, sampling.max_tokens)]
         with self._lock:
             self._waiting.extend(_Member(job, policy) for job in jobs if not job.done)
+        if self.join_queued_calls and join_due():
+            yield_slice()  # let the calls queued with this one register too: one prefill admits them all
         while not all(job.done for job in jobs):
             with torch.no_grad():
                 while True:
                     self.step()
-                    if all(job.done for job in jobs) or slice_due() or join_due():
+                    if all(job.done for job in jobs) or slice_due() or (self.join_queued_calls and join_due()):
                         break
             if not all(job.done for job in jobs):
                 yield_slice()
@@ -90,80 +118,80 @@ class Batcher:
     # -- one shared step -------------------------------------------------------------
 
     def step(self) -> None:
-        """Decode one token for every running row, then prefill and merge the jobs that fit."""
+        """Decode one token for every running row, then prefill (in one forward) the waiting jobs that fit."""
         with self._lock:
-            if self._running:
-                self._decode()
-            self._admit()
+            if self._running is not None:
+                self._running = self._forward(self._running)
+            joining = self._take_waiting()
+            if joining:
+                block = self._forward(self._prefill_block(joining))
+                if block is not None and self._running is None:
+                    self._running = block
+                elif block is not None:
+                    self._running.extend(block)
 
-    def _admit(self) -> None:
-        limit = self.engine.max_batch_size
-        rows = self.rows
+    def _take_waiting(self) -> list[_Member]:
+        limit, rows, taken = self.engine.max_batch_size, self.rows, []
         while self._waiting and (rows == 0 or rows + self._waiting[0].job.active_rows <= limit):
             member = self._waiting.pop(0)
-            with self.engine.activate_policy(member.policy):
-                member.job.advance(self.engine.model)  # prefill alone: the first token is drawn here
-            if member.job.done:
-                continue
-            self._merge(member)
+            taken.append(member)
             rows += member.job.active_rows
+        return taken
 
-    def _merge(self, member: _Member) -> None:
-        cache, next_input, attention, positions = member.job.take_state()
-        if not self._running:
-            self._cache, self._input, self._attention, self._positions = cache, next_input, attention, positions
-        else:
-            width = max(self._attention.shape[1], attention.shape[1])
-            for mine, theirs in zip(self._cache.layers, cache.layers):
-                mine.keys = torch.cat([_left_pad(mine.keys, width - 1, -2), _left_pad(theirs.keys, width - 1, -2)])
-                mine.values = torch.cat([_left_pad(mine.values, width - 1, -2), _left_pad(theirs.values, width - 1, -2)])
-            self._attention = torch.cat([_left_pad(self._attention, width, -1), _left_pad(attention, width, -1)])
-            self._input = torch.cat([self._input, next_input])
-            self._positions = torch.cat([self._positions, positions])
-        self._running.append(member)
-        self.widest = max(self.widest, self.rows)
+    def _prefill_block(self, members: list[_Member]) -> _Block:
+        inputs = [m.job.prompt_inputs() for m in members]
+        width = max(ids.shape[1] for ids, _, _ in inputs)
+        return _Block(
+            members, None,
+            torch.cat([_left_pad(ids, width, -1) for ids, _, _ in inputs]),  # pads are masked: any id does
+            torch.cat([_left_pad(mask, width, -1) for _, mask, _ in inputs]),
+            torch.cat([_left_pad(pos, width, -1) for _, _, pos in inputs]),
+        )
 
-    def _decode(self) -> None:
+    def _forward(self, block: _Block) -> _Block | None:
+        """One forward over `block` (a prefill when it has no cache yet), one token drawn per row;
+        finished rows leave. None when no row is left."""
         engine = self.engine
         kwargs = {}
-        policies = {m.policy for m in self._running}
+        policies = {m.policy for m in block.members}
         if len(policies) == 1:
             context = engine.activate_policy(next(iter(policies)))
         else:  # rows of several adapters: one forward, each row through its own
             context = contextlib.nullcontext()
-            kwargs["adapter_names"] = [engine.adapter_name(m.policy) for m in self._running
+            kwargs["adapter_names"] = [engine.adapter_name(m.policy) for m in block.members
                                        for _ in range(m.job.active_rows)]
         with context:
             out = engine.model(
-                input_ids=self._input, attention_mask=self._attention, position_ids=self._positions,
-                past_key_values=self._cache, use_cache=True, logits_to_keep=1, **kwargs,
+                input_ids=block.input, attention_mask=block.attention, position_ids=block.positions,
+                past_key_values=block.cache if block.cache is not None else DynamicCache(),
+                use_cache=True, logits_to_keep=1, **kwargs,
             )
-        self._cache = out.past_key_values
+        block.cache = out.past_key_values
         self.steps += 1
-        self.widest = max(self.widest, self._input.shape[0])
-        self.most_jobs = max(self.most_jobs, len(self._running))
+        self.widest = max(self.widest, block.input.shape[0])
+        self.most_jobs = max(self.most_jobs, len(block.members))
         logits = out.logits[:, -1, :].float()
         keep: list[int] = []
         picks: list[int] = []
         offset = 0
-        for member in self._running:
+        for member in block.members:
             count = member.job.active_rows
             kept, drawn = member.job.choose(logits[offset : offset + count])
             keep.extend(offset + k for k in kept)
             picks.extend(drawn)
             offset += count
-        self._running = [m for m in self._running if not m.job.done]
+        block.members = [m for m in block.members if not m.job.done]
         if not keep:
-            self._cache = self._input = self._attention = self._positions = None
-            return
-        if len(keep) < offset:  # finished rows leave the batch
-            index = torch.tensor(keep, device=self._input.device)
-            self._cache.batch_select_indices(index)
-            self._attention = self._attention[index]
-            self._positions = self._positions[index]
-        self._input = torch.tensor(picks, dtype=torch.long, device=self._attention.device)[:, None]
-        self._attention = torch.cat([self._attention, self._attention.new_ones((len(keep), 1))], dim=1)
-        self._positions = self._positions[:, -1:] + 1
+            return None  # the KV cache goes now, not when the block is dropped
+        if len(keep) < offset:  # finished rows leave the batch: nothing is decoded (or padded) after them
+            index = torch.tensor(keep, device=block.input.device)
+            block.cache.batch_select_indices(index)
+            block.attention = block.attention[index]
+            block.positions = block.positions[index]
+        block.input = torch.tensor(picks, dtype=torch.long, device=block.attention.device)[:, None]
+        block.attention = torch.cat([block.attention, block.attention.new_ones((len(keep), 1))], dim=1)
+        block.positions = block.positions[:, -1:] + 1
+        return block
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:

@@ -185,12 +185,12 @@ class GenerationJob:
     def active_rows(self) -> int:
         return len(self._active)
 
-    def take_state(self) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Hand this job's KV cache, next input, attention mask and positions to a shared batch, which
-        decodes its rows from now on (and calls `choose` with their logits)."""
-        state = (self._cache, self._input, self._attention, self._positions)
-        self._cache = None
-        return state
+    def prompt_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input ids, attention mask and positions of the (left-padded) prompts, for a shared batch that
+        prefills and decodes this job's rows from now on, calling `choose` with their logits."""
+        if self._cache is not None:
+            raise RuntimeError("this job has started decoding on its own; a shared batch cannot take it over")
+        return self._input, self._attention, self._positions
 
     def _sample(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per active row by inverse CDF, with one uniform draw from each row's own generator
