@@ -17,6 +17,9 @@ one to the next. Four rules pick who runs:
   So another tenant's small call waits for at most about one slice, not for a whole
   maximal request. A paused job keeps its state (KV cache, random generators) and
   resumes where it stopped, with the same result it would have had unpaused.
+* **Joining.** After every decode step a generation also pauses when a call that has not
+  started may start ahead of it (`_find_new_job`); that call starts at once and, if it
+  generates too, joins the running batch (`tinkerless.functions.batcher`) instead of waiting.
 * **Back-pressure.** Past `max_pending` queued jobs in all, or `max_pending_per_tenant`
   unfinished jobs of one tenant, `submit` raises `QueueFull` (HTTP 429 with Retry-After)
   instead of queueing without bound.
@@ -203,12 +206,14 @@ class Scheduler:
             return self._find_new_job() is not None
 
     def _find_new_job(self) -> tuple[str, Job] | None:
-        """The first not-yet-started ready job, tenants in turn order, whose stream has no job started
-        and unfinished (streams keep their order), or None."""
-        busy = {(j.tenant, j.stream) for q in self._ready.values() for j in q if j.thread is not None}
+        """The first not-yet-started ready job, tenants in turn order, that may start ahead of the
+        tenant's paused job: any job of a tenant with none paused; an unordered job (a Tinker `sample`)
+        of a tenant with one. A tenant's ordered calls (training steps, which may change the weights
+        its paused generation samples from) never overtake it."""
+        paused = {j.tenant for q in self._ready.values() for j in q if j.thread is not None}
         for tenant in self._turns:
             for job in self._ready.get(tenant, ()):
-                if job.thread is None and (job.stream is None or (tenant, job.stream) not in busy):
+                if job.thread is None and (job.stream is None or tenant not in paused):
                     return tenant, job
         return None
 
