@@ -155,3 +155,35 @@ def test_a_queued_call_starts_at_a_generations_next_step_but_never_ahead_of_its_
     assert log.index("other tenant") < log.index("long")
     # The tenant's ordered calls (training steps that may change the weights it samples) wait for it.
     assert log.index("same stream") > log.index("long") and log.index("other stream") > log.index("long")
+
+
+def test_calls_joining_a_batch_stay_within_its_row_and_kv_position_limits(adapters_worker):
+    worker, engine = adapters_worker, adapters_worker.engine
+    sampling = SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=[])
+    requests = [(f"t{i}", "pa" if i % 2 else None, [[3 + i, 4, 5]], sampling, i) for i in range(5)]
+    expected = alone(worker, requests)
+    saved = engine.max_batch_size, engine.max_batch_positions
+    scheduler = Scheduler(slice_seconds=0.05)
+    gate = threading.Event()
+    try:
+        engine.max_batch_size, engine.max_batch_positions = 8, 2 * (3 + 10)  # room for two rows
+        engine.batcher.widest = 0
+        scheduler.submit(gate.wait, tenant="gate")
+        futures = submit_all(scheduler, worker, requests)
+        gate.set()
+        batched = [f.result(timeout=120) for f in futures]
+    finally:
+        engine.max_batch_size, engine.max_batch_positions = saved
+        scheduler.close()
+    assert engine.batcher.widest == 2
+    assert_same(batched, expected)
+
+
+def test_a_failing_call_does_not_wedge_the_shared_batch(adapters_worker):
+    engine = adapters_worker.engine
+    sampling = SamplingParams(max_tokens=4, temperature=1.0, stop_token_ids=[])
+    with pytest.raises(Exception, match="does not exist"):
+        engine.generate([[3, 4]], sampling, policy="no-such-policy", seed=1)
+    assert engine.batcher.rows == 0 and not engine.batcher._waiting
+    again = engine.generate([[3, 4]], sampling, policy="pa", seed=1)
+    assert len(again[0].tokens) == 4

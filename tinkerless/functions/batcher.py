@@ -49,6 +49,7 @@ BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 class _Member:
     job: GenerationJob
     policy: str | None
+    reach: int  # KV positions its rows may need: longest prompt + max_tokens
 
 
 @dataclass
@@ -102,7 +103,8 @@ class Batcher:
         jobs = [engine.start(prompts[start:end], sampling, seed=seed, first_index=start)
                 for start, end in engine.batches(prompts, sampling.max_tokens)]
         with self._lock:
-            self._waiting.extend(_Member(job, policy) for job in jobs if not job.done)
+            self._waiting.extend(_Member(job, policy, job.prompt_width + sampling.max_tokens)
+                                 for job in jobs if not job.done)
         if self.join_queued_calls and join_due():
             yield_slice()  # let the calls queued with this one register too: one prefill admits them all
         while not all(job.done for job in jobs):
@@ -113,6 +115,9 @@ class Batcher:
                         break
             if not all(job.done for job in jobs):
                 yield_slice()
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
         return [generation for job in jobs for generation in job.results()]
 
     # -- one shared step -------------------------------------------------------------
@@ -121,22 +126,39 @@ class Batcher:
         """Decode one token for every running row, then prefill (in one forward) the waiting jobs that fit."""
         with self._lock:
             if self._running is not None:
-                self._running = self._forward(self._running)
+                self._running = self._forward_or_fail(self._running)
             joining = self._take_waiting()
             if joining:
-                block = self._forward(self._prefill_block(joining))
+                block = self._forward_or_fail(self._prefill_block(joining))
                 if block is not None and self._running is None:
                     self._running = block
                 elif block is not None:
                     self._running.extend(block)
 
     def _take_waiting(self) -> list[_Member]:
-        limit, rows, taken = self.engine.max_batch_size, self.rows, []
-        while self._waiting and (rows == 0 or rows + self._waiting[0].job.active_rows <= limit):
-            member = self._waiting.pop(0)
-            taken.append(member)
-            rows += member.job.active_rows
+        """The waiting jobs that fit in max_batch_size rows and max_batch_positions KV positions (rows x the
+        longest reach: shorter rows are left-padded to it), in arrival order; at least one into an empty batch."""
+        engine, taken = self.engine, []
+        members = self._running.members if self._running is not None else []
+        rows, reach = self.rows, max((m.reach for m in members), default=0)
+        while self._waiting:
+            member = self._waiting[0]
+            grown_rows, grown_reach = rows + member.job.active_rows, max(reach, member.reach)
+            if rows and (grown_rows > engine.max_batch_size or grown_rows * grown_reach > engine.max_batch_positions):
+                break
+            taken.append(self._waiting.pop(0))
+            rows, reach = grown_rows, grown_reach
         return taken
+
+    def _forward_or_fail(self, block: _Block) -> _Block | None:
+        """`_forward`; if it raises, every job of the block fails with that error (each caller raises it),
+        so one bad step cannot wedge the shared batch for the others."""
+        try:
+            return self._forward(block)
+        except Exception as exc:  # noqa: BLE001 - handed to the calls whose rows were in the block
+            for member in block.members:
+                member.job.fail(exc)
+            return None
 
     def _prefill_block(self, members: list[_Member]) -> _Block:
         inputs = [m.job.prompt_inputs() for m in members]

@@ -104,6 +104,7 @@ class GenerationJob:
         self._input, self._attention = self._input.to(device), self._attention.to(device)
         self._positions = (self._attention.cumsum(-1) - 1).clamp(min=0)
         self._active = list(range(len(prompts)))  # job rows still decoding, in KV-cache batch order
+        self.error: Exception | None = None
         self._cache: DynamicCache | None = None
         self._warpers = []
         if sampling.temperature > 0:
@@ -184,6 +185,16 @@ class GenerationJob:
     @property
     def active_rows(self) -> int:
         return len(self._active)
+
+    @property
+    def prompt_width(self) -> int:
+        return self._attention.shape[1] if self._cache is None else 0
+
+    def fail(self, error: Exception) -> None:
+        """End the job with `error` (its shared batch's forward raised): no row decodes further."""
+        self.error = error
+        self._active = []
+        self._cache = None
 
     def prompt_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input ids, attention mask and positions of the (left-padded) prompts, for a shared batch that
