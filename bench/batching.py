@@ -46,7 +46,8 @@ def sampled_tokens_per_second(sampler, prompt, max_tokens: int, *, concurrent: b
     return sum(len(s.tokens) for s in sequences) / seconds
 
 
-def rl_iteration(training, prompts, max_tokens: int) -> float:
+def rl_iteration(training, prompts, max_tokens: int) -> tuple[float, float]:
+    """Seconds of (the whole iteration, its sampling: from the sampling client to the last sample)."""
     started = time.perf_counter()
     sampler = training.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=[])
@@ -67,11 +68,12 @@ def rl_iteration(training, prompts, max_tokens: int) -> float:
                     "advantages": [0.0] * n + [r - mean] * len(s.tokens),
                 },
             ))
+    sampled = time.perf_counter()
     fwd_bwd = training.forward_backward(data, "importance_sampling")
     optim = training.optim_step(types.AdamParams(learning_rate=1e-4))
     fwd_bwd.result()
     optim.result()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, sampled - started
 
 
 def main() -> None:
@@ -102,12 +104,13 @@ def main() -> None:
                                     for _ in range(args.repeats))
             many = statistics.median(sampled_tokens_per_second(sampler, prompt, args.max_tokens, concurrent=True)
                                      for _ in range(args.repeats))
-            rl = statistics.median(rl_iteration(training, prompt_ids, args.max_tokens) for _ in range(args.repeats))
+            runs = [rl_iteration(training, prompt_ids, args.max_tokens) for _ in range(args.repeats)]
+            rl, rl_sampling = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
             label = "after (batching across calls)" if batching else "before (calls one at a time)"
             print(f"{label}:")
             print(f"  1 call x 16 samples:      {one:8.0f} sampled tokens/s")
             print(f"  16 calls x 1 sample:      {many:8.0f} sampled tokens/s  ({many / one:.0%} of one call)")
-            print(f"  RL iteration 8 x 4:       {rl:8.2f} s")
+            print(f"  RL iteration 8 x 4:       {rl:8.2f} s  (sampling {rl_sampling:.2f} s, training {rl - rl_sampling:.2f} s)")
         print(f"  (most calls decoded in one step: {worker.engine.batcher.most_jobs})")
         service.close(status="success")
 

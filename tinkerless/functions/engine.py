@@ -13,8 +13,8 @@ The transformers engine decodes with its own loop over a `GenerationJob` rather 
   the ones asked for: `stop_token_ids=[]` means no token ends a sample early, not even EOS
   (`generate` falls back to the model's EOS when given none).
 * **Resumable.** A job keeps its KV cache and per-row random generators between steps, so a
-  server can pause it between slices and run other tenants' calls (`slicing`), and a later
-  continuous batcher can step several jobs.
+  server can pause it between slices and run other tenants' calls (`slicing`), and the
+  continuous batcher (`batcher`) decodes the rows of every concurrent call's jobs in one batch.
 * **Reproducible.** Row i of a request draws from its own generator seeded by (seed, i): the
   same seed gives the same tokens whether the job is paused or not, whatever runs in between,
   and however the request is split into batches (up to floating-point differences of
