@@ -129,6 +129,7 @@ class Scheduler:
         self.slices = 0  # times a job paused for another tenant's
         self._avg_seconds = 0.1  # moving average of job time, for Retry-After
         self._closed = False
+        self._current: Job | None = None  # the job holding the model, if any
         self._thread = threading.Thread(target=self._loop, name="tinkerless-scheduler", daemon=True)
         self._thread.start()
 
@@ -211,6 +212,8 @@ class Scheduler:
         of a tenant with one. A tenant's ordered calls (training steps, which may change the weights
         its paused generation samples from) never overtake it."""
         paused = {j.tenant for q in self._ready.values() for j in q if j.thread is not None}
+        if self._current is not None:  # the running job counts: it asks this before it pauses
+            paused.add(self._current.tenant)
         for tenant in self._turns:
             for job in self._ready.get(tenant, ()):
                 if job.thread is None and (job.stream is None or tenant not in paused):
@@ -290,10 +293,12 @@ class Scheduler:
                 if job.thread is None:
                     self._pending -= 1
                     self.in_flight += 1
+                self._current = job
             self._give_turn(job)
             job.handback.wait()  # the job paused at a slice boundary or finished
             job.handback.clear()
             with self._cond:
+                self._current = None
                 if job.finished:
                     self.in_flight -= 1
                     self._avg_seconds = 0.9 * self._avg_seconds + 0.1 * (time.monotonic() - job.started)
