@@ -133,8 +133,12 @@ def test_a_seeded_request_gives_the_same_tokens_sliced_or_not(tiny_model):
     host = DisruptiveHost(worker)
     with slice_host(host):
         sliced = worker.engine.generate(PROMPTS, sampling, policy="mine", seed=3)
-    assert host.pauses >= 5 and host.pauses >= max(len(g.tokens) for g in whole) - 1  # after every step
-    assert [(g.tokens, g.logprobs, g.stop_reason) for g in sliced] == [(g.tokens, g.logprobs, g.stop_reason) for g in whole]
+    # It paused after every step it drove; the other policy's generation run during a pause joins the
+    # shared batch (tinkerless.functions.batcher) and decodes these rows too, in one mixed-adapter forward.
+    assert host.pauses >= 5
+    assert [(g.tokens, g.stop_reason) for g in sliced] == [(g.tokens, g.stop_reason) for g in whole]
+    for a, b in zip(sliced, whole):  # batched with other rows: equal up to floating-point differences
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     for prompt, g in zip(PROMPTS, sliced):  # and the adapter was back in place for every slice
         check_generation(worker, prompt, g.tokens, g.logprobs, g.stop_reason, stop_set=set(END_OF_TURN),
                          sampling=sampling, policy="mine")

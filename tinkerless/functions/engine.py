@@ -13,8 +13,8 @@ The transformers engine decodes with its own loop over a `GenerationJob` rather 
   the ones asked for: `stop_token_ids=[]` means no token ends a sample early, not even EOS
   (`generate` falls back to the model's EOS when given none).
 * **Resumable.** A job keeps its KV cache and per-row random generators between steps, so a
-  server can pause it between slices and run other tenants' calls (`slicing`), and a later
-  continuous batcher can step several jobs.
+  server can pause it between slices and run other tenants' calls (`slicing`), and the
+  continuous batcher (`batcher`) decodes the rows of every concurrent call's jobs in one batch.
 * **Reproducible.** Row i of a request draws from its own generator seeded by (seed, i): the
   same seed gives the same tokens whether the job is paused or not, whatever runs in between,
   and however the request is split into batches (up to floating-point differences of
@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from tinkerless.errors import UserError
-from tinkerless.functions.slicing import slice_due, yield_slice
+from tinkerless.functions.batcher import BASE_ADAPTER, Batcher
 from tinkerless.wire.messages import SamplingParams
 
 # Rows x (prompt + max_tokens) positions one batch may hold in its KV cache (~3 GB for SmolLM2-135M in fp32).
@@ -104,6 +104,7 @@ class GenerationJob:
         self._input, self._attention = self._input.to(device), self._attention.to(device)
         self._positions = (self._attention.cumsum(-1) - 1).clamp(min=0)
         self._active = list(range(len(prompts)))  # job rows still decoding, in KV-cache batch order
+        self.error: Exception | None = None
         self._cache: DynamicCache | None = None
         self._warpers = []
         if sampling.temperature > 0:
@@ -138,6 +139,25 @@ class GenerationJob:
         self._draw(out.logits[:, -1, :].float())
 
     def _draw(self, logits: torch.Tensor) -> None:
+        keep, picks = self.choose(logits)
+        if len(keep) < self._attention.shape[0]:  # finished rows leave the batch: nothing is decoded (or padded) after them
+            if keep:
+                self._cache.batch_select_indices(torch.tensor(keep, device=self.device))
+            self._attention = self._attention[keep]
+            self._positions = self._positions[keep]
+        if not keep:
+            self._cache = None  # free the KV cache now, not when the job is dropped
+            return
+        self._input = torch.tensor(picks, dtype=torch.long, device=self.device)[:, None]
+        self._attention = torch.cat([self._attention, self._attention.new_ones((len(keep), 1))], dim=1)
+        self._positions = self._positions[:, -1:] + 1
+
+    def choose(self, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Draw one token for each active row from `logits` (one line per active row, in order) and record it.
+
+        Returns (keep, picks): the positions among the active rows that go on decoding, and the
+        token each of them drew (its next input). Rows that stopped leave `active`.
+        """
         logprobs = torch.log_softmax(logits, dim=-1)  # of the untempered distribution: what training recomputes
         if self.sampling.temperature > 0:
             scores = logits / self.sampling.temperature
@@ -159,19 +179,29 @@ class GenerationJob:
                 row.stop_reason = "length"
             else:
                 keep.append(b)
-        if len(keep) < len(self._active):  # finished rows leave the batch: nothing is decoded (or padded) after them
-            if keep:
-                self._cache.batch_select_indices(torch.tensor(keep, device=self.device))
-            self._active = [self._active[b] for b in keep]
-            self._attention = self._attention[keep]
-            self._positions = self._positions[keep]
-            picks = [picks[b] for b in keep]
-        if not keep:
-            self._cache = None  # free the KV cache now, not when the job is dropped
-            return
-        self._input = torch.tensor(picks, dtype=torch.long, device=self.device)[:, None]
-        self._attention = torch.cat([self._attention, self._attention.new_ones((len(keep), 1))], dim=1)
-        self._positions = self._positions[:, -1:] + 1
+        self._active = [self._active[b] for b in keep]
+        return keep, [picks[b] for b in keep]
+
+    @property
+    def active_rows(self) -> int:
+        return len(self._active)
+
+    @property
+    def prompt_width(self) -> int:
+        return self._attention.shape[1] if self._cache is None else 0
+
+    def fail(self, error: Exception) -> None:
+        """End the job with `error` (its shared batch's forward raised): no row decodes further."""
+        self.error = error
+        self._active = []
+        self._cache = None
+
+    def prompt_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input ids, attention mask and positions of the (left-padded) prompts, for a shared batch that
+        prefills and decodes this job's rows from now on, calling `choose` with their logits."""
+        if self._cache is not None:
+            raise RuntimeError("this job has started decoding on its own; a shared batch cannot take it over")
+        return self._input, self._attention, self._positions
 
     def _sample(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per active row by inverse CDF, with one uniform draw from each row's own generator
@@ -202,6 +232,7 @@ class TransformersEngine:
         activate_policy: Callable[[str | None], object],
         max_batch_size: int = 64,
         max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
+        adapter_of: Callable[[str | None], str] | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -210,6 +241,8 @@ class TransformersEngine:
         self.max_batch_size = max_batch_size
         self.max_batch_positions = max_batch_positions
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        self.adapter_of = adapter_of  # policy -> peft adapter name, for batches that mix policies
+        self.batcher = Batcher(self)
 
     @property
     def device(self) -> torch.device:
@@ -240,21 +273,12 @@ class TransformersEngine:
             start = end
         return spans
 
+    def adapter_name(self, policy: str | None) -> str:
+        """The peft adapter that holds `policy`'s weights in a mixed batch (peft's "__base__": no adapter)."""
+        return self.adapter_of(policy) if self.adapter_of is not None else (policy or BASE_ADAPTER)
+
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int
     ) -> list[Generation]:
-        results: list[Generation] = []
-        for start, end in self.batches(prompts, sampling.max_tokens):
-            job = self.start(prompts[start:end], sampling, seed=seed, first_index=start)
-            while not job.done:
-                # One slice: steps until the job ends or the host wants the model for someone else.
-                # The adapter is activated per slice, since other calls may switch it in between.
-                with torch.no_grad(), self.activate_policy(policy):
-                    while not job.done:
-                        job.advance(self.model)
-                        if slice_due():
-                            break
-                if not job.done:
-                    yield_slice()
-            results.extend(job.results())
-        return results
+        """Sample, in one batch with every other generate call running at the time (`batcher`)."""
+        return self.batcher.generate(prompts, sampling, policy=policy, seed=seed)

@@ -9,6 +9,10 @@ tenants' queued calls run, then resumes it. Outside a server (the local backend,
 tests, Modal functions) no host is installed: `slice_due()` is False and
 `yield_slice()` does nothing.
 
+The same safe point lets queued calls start early (`join_due()`): a generation pauses
+after a step when a call that has not started is queued, so that call starts at once and,
+if it generates too, joins the running batch (`tinkerless.functions.batcher`).
+
 This module imports nothing heavy, so the scheduler can use it without loading torch.
 """
 
@@ -30,10 +34,21 @@ class SliceHost(Protocol):
         """Block until the call's next turn (returns at once when nothing else is waiting)."""
         ...
 
+    def joinable(self) -> bool:
+        """Whether a call that has not started yet could start now (and join a running generation batch)."""
+        ...
+
 
 def slice_due() -> bool:
     host: SliceHost | None = getattr(_local, "host", None)
     return host is not None and host.due()
+
+
+def join_due() -> bool:
+    """Whether a generation should pause at this step so that a queued call can start and join its batch."""
+    host: SliceHost | None = getattr(_local, "host", None)
+    joinable = getattr(host, "joinable", None)  # hosts from before batching may not offer it
+    return joinable is not None and joinable()
 
 
 def yield_slice() -> None:

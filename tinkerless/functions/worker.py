@@ -140,7 +140,8 @@ class Worker:
         if engine == "vllm" or (engine == "auto" and vllm_available()):
             return VLLMEngine(resolve_model(self.model_name), self._adapter_snapshot)
         return TransformersEngine(
-            self.base_model, self.tokenizer, self.chat.eos_token_ids, self._activate, max_batch_size=max_batch_size
+            self.base_model, self.tokenizer, self.chat.eos_token_ids, self._activate, max_batch_size=max_batch_size,
+            adapter_of=self._adapter_name,
         )
 
     def _adapter_snapshot(self, policy: str) -> tuple[str, str] | None:
@@ -272,6 +273,13 @@ class Worker:
                 hint="call create_policy first (the client does this when a run starts)",
             )
         return self.policies[name]
+
+    def _adapter_name(self, policy: str | None) -> str:
+        """The peft adapter of `policy` in a batch that mixes policies ("__base__": the base model)."""
+        if policy in (None, BASE_POLICY):
+            return "__base__"
+        self._policy(policy)
+        return policy
 
     @contextlib.contextmanager
     def _activate(self, policy: str | None):

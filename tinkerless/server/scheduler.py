@@ -17,6 +17,9 @@ one to the next. Four rules pick who runs:
   So another tenant's small call waits for at most about one slice, not for a whole
   maximal request. A paused job keeps its state (KV cache, random generators) and
   resumes where it stopped, with the same result it would have had unpaused.
+* **Joining.** After every decode step a generation also pauses when a call that has not
+  started may start ahead of it (`_find_new_job`); that call starts at once and, if it
+  generates too, joins the running batch (`tinkerless.functions.batcher`) instead of waiting.
 * **Back-pressure.** Past `max_pending` queued jobs in all, or `max_pending_per_tenant`
   unfinished jobs of one tenant, `submit` raises `QueueFull` (HTTP 429 with Retry-After)
   instead of queueing without bound.
@@ -76,6 +79,7 @@ class Job:
     turn: threading.Event = field(default_factory=threading.Event)  # set: the job may run
     handback: threading.Event = field(default_factory=threading.Event)  # set: the job paused or finished
     finished: bool = False
+    admit: bool = False  # paused so that a not-yet-started job could start
     started: float = 0.0
     slice_started: float = 0.0
 
@@ -98,8 +102,12 @@ class _Host:
             return False
         return self.scheduler._others_waiting(self.job.tenant)
 
+    def joinable(self) -> bool:
+        return self.scheduler._new_job_ready()
+
     def pause(self) -> None:
         job = self.job
+        job.admit = self.scheduler._new_job_ready()  # start that job next, not the round-robin pick
         job.turn.clear()
         job.handback.set()  # the scheduler thread takes the model back...
         job.turn.wait()  # ...and hands it over again on this job's next turn
@@ -132,6 +140,7 @@ class Scheduler:
         self.slices = 0  # times a job paused for another tenant's
         self._avg_seconds = 0.1  # moving average of job time, for Retry-After
         self._closed = False
+        self._current: Job | None = None  # the job holding the model, if any
         self._thread = threading.Thread(target=self._loop, name="tinkerless-scheduler", daemon=True)
         self._thread.start()
 
@@ -267,6 +276,37 @@ class Scheduler:
         with self._cond:
             return any(t != tenant and self._ready.get(t) for t in self._turns)
 
+    def _new_job_ready(self) -> bool:
+        """Whether a job that has not started could start now (takes the lock): see `_next_new_job`."""
+        with self._cond:
+            return self._find_new_job() is not None
+
+    def _find_new_job(self) -> tuple[str, Job] | None:
+        """The first not-yet-started ready job, tenants in turn order, that may start ahead of the
+        tenant's paused job: any job of a tenant with none paused; an unordered job (a Tinker `sample`)
+        of a tenant with one. A tenant's ordered calls (training steps, which may change the weights
+        its paused generation samples from) never overtake it."""
+        paused = {j.tenant for q in self._ready.values() for j in q if j.thread is not None}
+        if self._current is not None:  # the running job counts: it asks this before it pauses
+            paused.add(self._current.tenant)
+        for tenant in self._turns:
+            for job in self._ready.get(tenant, ()):
+                if job.thread is None and (job.stream is None or tenant not in paused):
+                    return tenant, job
+        return None
+
+    def _next_new_job(self) -> Job | None:
+        """Take the job `_find_new_job` names out of its queue (its tenant keeps its place in the turns)."""
+        found = self._find_new_job()
+        if found is None:
+            return None
+        tenant, job = found
+        queue = self._ready[tenant]
+        queue.remove(job)
+        if not queue:
+            self._turns.remove(tenant)
+        return job
+
     def _make_ready(self, job: Job) -> None:
         queue = self._ready.setdefault(job.tenant, deque())
         if not queue and job.tenant not in self._turns:
@@ -313,9 +353,12 @@ class Scheduler:
         return None
 
     def _loop(self) -> None:
+        admit = False  # the last job paused so that a queued job could start (and join its batch)
         while True:
             with self._cond:
-                job = self._next_job()
+                job = self._next_new_job() if admit else None
+                admit = False
+                job = job or self._next_job()
                 while job is None:
                     if self._closed:
                         return
@@ -325,10 +368,12 @@ class Scheduler:
                 if job.thread is None:
                     self._pending -= 1
                     self.in_flight += 1
+                self._current = job
             self._give_turn(job)
             job.handback.wait()  # the job paused at a slice boundary or finished
             job.handback.clear()
             with self._cond:
+                self._current = None
                 if job.finished:
                     self.in_flight -= 1
                     self._avg_seconds = 0.9 * self._avg_seconds + 0.1 * (time.monotonic() - job.started)
@@ -338,6 +383,7 @@ class Scheduler:
                             del self._unfinished[job.tenant]
                 else:  # paused: first in its tenant's line again, its tenant last in the turns
                     self.slices += 1
+                    admit = job.admit
                     queue = self._ready.setdefault(job.tenant, deque())
                     queue.appendleft(job)
                     if job.tenant not in self._turns:
