@@ -147,6 +147,8 @@ def test_smollm2_cached_dir_is_returned_without_conversion(monkeypatch, tmp_path
     (cached / "config.json").write_text("{}")
     (cached / models._CONVERSION_MARKER).write_text(json.dumps({"format": models._CONVERSION_FORMAT}))
     monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("must not convert again"))
+    # Whatever this machine's HF cache holds (the install places SmolLM2 there): first, not in it.
+    monkeypatch.setattr(models, "_in_hf_cache", lambda repo_id: False)
     for alias in SMOLLM2_ALIASES:
         assert resolve_model(alias) == str(cached)
 

@@ -245,9 +245,11 @@ def _argv(profile: Profile, limits: SandboxLimits, as_root: bool, seccomp_fd: in
     else:
         argv += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns"]
     argv += ["--seccomp", str(seccomp_fd)]
+    # The work dir first: a read-only bind under /tmp (a checkout or venv there, as in CI's fresh clone) must
+    # show through it, not be covered by it. Sticky and root-owned, those binds' parents cannot be moved.
+    argv += ["--perms", "1777", "--size", str(int(limits.disk_bytes)), "--tmpfs", WORK_DIR]
     argv += root.mounts
     argv += ["--proc", "/proc", "--dev", "/dev"]
-    argv += ["--perms", "1777", "--size", str(int(limits.disk_bytes)), "--tmpfs", WORK_DIR]
     if code_fd is not None:  # (a sandbox started ahead of time gets its program down a pipe instead)
         argv += ["--perms", "0444", "--ro-bind-data", str(code_fd), CODE_PATH]
     env = {"HOME": WORK_DIR, "TMPDIR": WORK_DIR, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC", "PATH": "/usr/bin:/bin"}
