@@ -84,15 +84,7 @@ def _start_ready(profile: Profile, limits: SandboxLimits, config: dict) -> warm.
     os.set_inheritable(program_w, False)
     seccomp_fd = _memfd("seccomp", compiled_filter())
     try:
-        config = {
-            **config,
-            "work": WORK_DIR,
-            "code": f"fd:{program_r}",
-            "read_roots": list(layout(profile).read_roots),
-            "drop_to": [uid, uid] if as_root else None,
-            "nproc": limits.max_processes,
-            "rlimits": rlimit_values(limits),
-        }
+        config = _boot_config(config, profile, limits, uid, as_root, code=f"fd:{program_r}")
         argv = _argv(profile, limits, as_root, seccomp_fd, None, config)
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin"},
@@ -131,15 +123,7 @@ def _run(code: str, *, limits: SandboxLimits, stdin: str, config: dict, profile:
         code_fd = _memfd("code", code.encode("utf-8", "surrogatepass"))
         stdin_fd = _memfd("stdin", stdin.encode("utf-8", "replace"))
         try:
-            config = {
-                **config,
-                "work": WORK_DIR,
-                "code": CODE_PATH,
-                "read_roots": list(layout(profile).read_roots),
-                "drop_to": [uid, uid] if as_root else None,
-                "nproc": limits.max_processes,
-                "rlimits": rlimit_values(limits),
-            }
+            config = _boot_config(config, profile, limits, uid, as_root)
             argv = _argv(profile, limits, as_root, seccomp_fd, code_fd, config)
             return supervise(
                 argv, kind="bwrap", limits=limits, stdin_fd=stdin_fd, env={"PATH": "/usr/bin:/bin"},
@@ -180,17 +164,8 @@ def spawn(code: str, *, limits: SandboxLimits, profile: Profile, pass_fds: tuple
     seccomp_fd = _memfd("seccomp", compiled_filter())
     code_fd = _memfd("code", code.encode("utf-8", "surrogatepass"))
     try:
-        config = {
-            "max_processes": limits.max_processes,
-            "exit_codes": sorted(BOOTSTRAP_EXIT_CODES),
-            "audit_hook": False,
-            "work": WORK_DIR,
-            "code": CODE_PATH,
-            "read_roots": list(layout(profile).read_roots),
-            "drop_to": [uid, uid] if as_root else None,
-            "nproc": limits.max_processes,
-            "rlimits": rlimit_values(limits),
-        }
+        base = {"max_processes": limits.max_processes, "exit_codes": sorted(BOOTSTRAP_EXIT_CODES), "audit_hook": False}
+        config = _boot_config(base, profile, limits, uid, as_root)
         argv = _argv(profile, limits, as_root, seccomp_fd, code_fd, config)
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env={"PATH": "/usr/bin:/bin"},
@@ -220,6 +195,22 @@ class _fixed:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _boot_config(
+    config: dict, profile: Profile, limits: SandboxLimits, uid: int, as_root: bool, *, code: str = CODE_PATH
+) -> dict:
+    """What the bootstrap inside needs besides the caller's `config`: where the work dir and program are, what
+    it may read, the uid to drop to (as root) and the limits it sets on itself before any user code."""
+    return {
+        **config,
+        "work": WORK_DIR,
+        "code": code,
+        "read_roots": list(layout(profile).read_roots),
+        "drop_to": [uid, uid] if as_root else None,
+        "nproc": limits.max_processes,
+        "rlimits": rlimit_values(limits),
+    }
 
 
 def _memfd(name: str, data: bytes) -> int:
