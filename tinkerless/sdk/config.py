@@ -46,6 +46,7 @@ class TrainConfig:
     agents: Any = None  # multi-agent envs: role -> policy name | Frozen(...) | opponent fn, or a list of such seatings
     protocol_timeout: float = 600.0  # seconds before a stuck multi-agent protocol or barrier is an error
     name: str = "run"
+    init_from: str | None = None  # warm start: "<run_id>@<step>" / "<run_id>@latest" (e.g. an SFT run) or a PEFT adapter dir
     # algorithm
     algo: str = "grpo"
     loss: str = "importance_sampling"
@@ -126,6 +127,11 @@ class TrainConfig:
                 raise ConfigError("no role is played by a trained policy", hint="give at least one role a policy name")
         elif self.agents is not None:
             raise ConfigError("agents= is only for multi-agent envs (with `agents` and `turn()`)")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from.strip() or self.agents is not None):
+            raise ConfigError(
+                f"init_from={self.init_from!r}: a warm start takes '<run_id>@<step>' or an adapter directory, for a single-agent run",
+                hint="multi-agent runs load adapters with agents={role: tinkerless.Frozen(path)}",
+            )
         if self.tasks is None:
             raise ConfigError("a run needs tasks", hint="tasks=[{...}], a JSONL path, or a generator function")
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", self.run_id):

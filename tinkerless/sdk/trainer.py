@@ -154,6 +154,8 @@ class _Run:
                 self._load_frozen_adapters()
                 if start:
                     self._restore()
+                elif config.init_from:
+                    self._warm_start()
         except BaseException as exc:
             self._stop(exc)  # never leave a run that looks alive
             if isinstance(exc, KeyboardInterrupt):
@@ -182,6 +184,8 @@ class _Run:
             self.coordinator.reset_to_checkpoint(0, self.config.summary())
             self.metrics.truncate_after(-1)
             self.transcripts.truncate_after(-1)
+            if self.config.init_from:  # the reset dropped the warm start: load it again
+                self._warm_start()
             return
         client_state = json.loads(restored.files[CLIENT_STATE_FILE])
         self._versions.update(client_state["policy_versions"])
@@ -192,6 +196,13 @@ class _Run:
         self.metrics.truncate_after(self.step - 1)
         self.transcripts.truncate_after(self.step - 1)
         self._say(f"run {self.run_id}: resumed from checkpoint step-{self.step}")
+
+    def _warm_start(self) -> None:
+        from tinkerless.sdk.warm_start import apply_init_from
+
+        config = self.config
+        loaded = apply_init_from(config.init_from, self.clients["default"], self.host, config.model, config.lora_rank)
+        self._say(f"run {self.run_id}: warm start from {loaded.source}")
 
     def _save_checkpoint(self, policy_versions: dict[str, int]) -> None:
         numpy_state = np.random.get_state()
