@@ -8,6 +8,7 @@ attributes, and bounded sizes so `9**9**9` is an error, not a hang.
 from __future__ import annotations
 
 import ast
+import json
 import math
 import operator
 import random
@@ -133,65 +134,82 @@ def calculator(expression: str) -> str:
 _NAMES = ["Tom", "Mia", "Sam", "Ana", "Leo", "Zoe", "Ben", "Ivy"]
 
 
-def _apples(rng: random.Random, name: str) -> tuple[str, int]:
+def _apples(rng: random.Random, name: str) -> tuple[str, int, str]:
     boxes, per_box = rng.randint(2, 9), rng.randint(3, 15)
     eaten = rng.randint(1, boxes * per_box - 1)
-    return f"{name} has {boxes} boxes of {per_box} apples and eats {eaten}. How many apples are left?", boxes * per_box - eaten
+    return (
+        f"{name} has {boxes} boxes of {per_box} apples and eats {eaten}. How many apples are left?",
+        boxes * per_box - eaten,
+        f"{boxes} * {per_box} - {eaten}",
+    )
 
 
-def _change(rng: random.Random, name: str) -> tuple[str, int]:
+def _change(rng: random.Random, name: str) -> tuple[str, int, str]:
     price, count = rng.randint(2, 9), rng.randint(2, 6)
     bill = next(b for b in (20, 50, 100) if b > price * count)
     return (
         f"A pen costs {price} dollars. {name} buys {count} pens and pays with a {bill} dollar bill. "
         f"How many dollars of change does {name} get?",
         bill - price * count,
+        f"{bill} - {price} * {count}",
     )
 
 
-def _reading(rng: random.Random, name: str) -> tuple[str, int]:
+def _reading(rng: random.Random, name: str) -> tuple[str, int, str]:
     per_day, days = rng.randint(5, 20), rng.randint(2, 7)
     total = per_day * days + rng.randint(10, 90)
     return (
         f"{name} reads {per_day} pages a day for {days} days. The book has {total} pages. How many pages are left?",
         total - per_day * days,
+        f"{total} - {per_day} * {days}",
     )
 
 
-def _groups(rng: random.Random, name: str) -> tuple[str, int]:
+def _groups(rng: random.Random, name: str) -> tuple[str, int, str]:
     groups, size = rng.randint(2, 9), rng.randint(2, 12)
     return (
         f"{name}'s class has {groups * size} students split equally into {groups} groups. "
         "How many students are in each group?",
         size,
+        f"{groups * size} / {groups}",
     )
 
 
-def _trip(rng: random.Random, name: str) -> tuple[str, int]:
+def _trip(rng: random.Random, name: str) -> tuple[str, int, str]:
     speed, hours, extra = rng.randint(20, 90), rng.randint(2, 5), rng.randint(5, 50)
     return (
         f"{name} drives {speed} km per hour for {hours} hours, then {extra} km more. How many km is that in total?",
         speed * hours + extra,
+        f"{speed} * {hours} + {extra}",
     )
 
 
-def _stickers(rng: random.Random, name: str) -> tuple[str, int]:
+def _stickers(rng: random.Random, name: str) -> tuple[str, int, str]:
     had, got = rng.randint(5, 40), rng.randint(2, 30)
     got += (had + got) % 2  # an even total halves evenly
     return (
         f"{name} had {had} stickers, got {got} more, then gave away half of them. How many stickers does {name} have now?",
         (had + got) // 2,
+        f"({had} + {got}) / 2",
     )
 
 
-TEMPLATES: list[Callable[[random.Random, str], tuple[str, int]]] = [_apples, _change, _reading, _groups, _trip, _stickers]
+# Each template returns (question, answer, an expression the calculator evaluates to the answer).
+TEMPLATES: list[Callable[[random.Random, str], tuple[str, int, str]]] = [_apples, _change, _reading, _groups, _trip, _stickers]
 
 
 def make_word_problem(rng: random.Random) -> dict:
     """A task `{"question": str, "answer": int}` from a random template with random numbers."""
     template = rng.choice(TEMPLATES)
-    question, answer = template(rng, rng.choice(_NAMES))
+    question, answer, _expression = template(rng, rng.choice(_NAMES))
     return {"question": question, "answer": answer}
+
+
+def _solved_word_problem(rng: random.Random) -> tuple[dict, str]:
+    """The task `make_word_problem(rng)` makes, with the expression that solves it."""
+    template = rng.choice(TEMPLATES)
+    question, answer, expression = template(rng, rng.choice(_NAMES))
+    return {"question": question, "answer": answer}, expression
 
 
 # ---------------------------------------------------------------------------
@@ -252,4 +270,36 @@ class CalculatorEnv(ToolEnv):
         return 0.1 if self.calls else 0.0
 
 
-__all__ = ["CalculatorEnv", "CalculatorError", "TEMPLATES", "calculator", "evaluate", "format_number", "last_number", "make_word_problem"]
+# ---------------------------------------------------------------------------
+# demonstrations: correct tool-using episodes for an SFT warm start
+
+
+def make_demonstration(rng: random.Random, env_cls: type | None = None) -> dict:
+    """One correct episode as SFT chat data `{"messages": [...]}`, played through the env itself.
+
+    The system prompt, the first user message and the tool's response are the env's own
+    (exactly what a rollout shows the model); the two assistant turns are a well-formed
+    calculator call with the expression that solves the problem, and `<answer>N</answer>`.
+    The episode is checked to earn reward 1.0, so a demonstration is never wrong.
+    """
+    env_cls = env_cls or CalculatorEnv
+    task, expression = _solved_word_problem(rng)
+    env = env_cls()
+    messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": env.reset(**task)}]
+    call = json.dumps({"name": calculator.name, "arguments": {"expression": expression}})
+    messages.append({"role": "assistant", "content": f"<tool_call>{call}</tool_call>"})
+    observed = env.step(messages[-1]["content"])
+    messages.append({"role": "user", "content": str(observed.observation)})
+    messages.append({"role": "assistant", "content": f"<answer>{task['answer']}</answer>"})
+    final = env.step(messages[-1]["content"])
+    if not (final.done and final.reward == 1.0):  # a template whose expression does not give its answer
+        raise AssertionError(f"demonstration for {task} scored {final.reward}, not 1.0")
+    return {"messages": messages, "task": task}
+
+
+def make_demonstrations(count: int, seed: int = 0, env_cls: type | None = None) -> list[dict]:
+    """`count` demonstrations (`make_demonstration`), reproducible from `seed`."""
+    return [make_demonstration(random.Random(f"demo:{seed}:{i}"), env_cls) for i in range(count)]
+
+
+__all__ = ["CalculatorEnv", "CalculatorError", "TEMPLATES", "calculator", "evaluate", "format_number", "last_number", "make_demonstration", "make_demonstrations", "make_word_problem"]

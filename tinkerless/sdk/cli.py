@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from tinkerless.errors import ConfigError, TinkerlessError, UserCodeError
+from tinkerless.sdk import cli_sft
 
 
 def load_config(path: str):
@@ -83,6 +84,7 @@ _OVERRIDES = {
     "engine": str,
     "transcripts_per_step": int,
     "threads": int,
+    "init_from": str,
 }
 
 _EPILOG = """\
@@ -170,6 +172,8 @@ def _parser() -> argparse.ArgumentParser:
         help="write every episode (messages, per-turn rewards, token counts, status) to this JSON-lines file",
     )
 
+    cli_sft.add_parsers(sub)  # sft, export-episodes
+
     sub.add_parser(
         "config-reference", help="print every TrainConfig field with its default and meaning (Markdown)",
         description="Print the TrainConfig reference that docs/config.md holds.",
@@ -188,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "keys":
             return _keys(args)
+        if args.command in cli_sft.COMMANDS:
+            return cli_sft.run(args)
         if args.command == "config-reference":
             from tinkerless.sdk.config_reference import render_markdown
 
@@ -322,6 +328,8 @@ def _runs(args) -> int:
         s = run.summary
         first, last = s.get("reward_first", s.get("reward_first3")), s.get("reward_last", s.get("reward_last3"))
         reward = f"{_fmt(first)} → {_fmt(last)}" if ("reward_last" in s or "reward_last3" in s) else "-"
+        if run.config.get("kind") == "sft":  # SFT runs (tinkerless.sft): their train NLL where RL runs show reward
+            reward = f"SFT nll {_fmt(s.get('train_nll_first'))} → {_fmt(s.get('train_nll_last'))}" if "train_nll_last" in s else "SFT"
         ckpt = "-" if run.last_checkpoint_step is None else f"step-{run.last_checkpoint_step}"
         usage = latest_usage(s)  # from the finish summary or, for a run still going, its last committed step
         seconds = "-" if usage is None else f"{usage['gpu_seconds_total']:.1f}"
