@@ -34,7 +34,7 @@ from tinkerless.sdk.sft_config import SFTConfig
 from tinkerless.sdk.sft_data import SFTExample, as_records, render_examples, split_holdout
 from tinkerless.sdk.sft_plot import plot_sft
 from tinkerless.sdk.trainer import CLIENT_STATE_FILE, RunResult
-from tinkerless.sdk.warm_start import apply_init_from
+from tinkerless.sdk.warm_start import apply_init_from, check_init_from
 from tinkerless.wire.messages import AdamParams, Datum, LoraConfig
 from tinkerless.wire.runs import CheckpointPolicy
 
@@ -122,6 +122,8 @@ class _SFTRun:
             self.train_set, self.eval_set = render_data(config, tokenizer, end_of_turn)
             self.steps = config.steps or math.ceil(config.epochs * len(self.train_set) / config.batch_size)
             self.host = run_host_for(self.backend, config.storage, config.storage_options)
+            if config.init_from and not config.resume:  # a wrong source fails before the run exists
+                check_init_from(config.init_from, self.host, config.model, config.lora_rank)
             self.coordinator, start = self._open_run()
         except BaseException:
             self.backend.close()

@@ -119,6 +119,10 @@ class _Run:
         try:
             # The run's state and checkpoints: in `storage`, or on the server the backend talks to.
             self.host = run_host_for(self.backend, config.storage, config.storage_options)
+            if config.init_from and not config.resume:  # a wrong source fails before the run exists
+                from tinkerless.sdk.warm_start import check_init_from
+
+                check_init_from(config.init_from, self.host, config.model, config.lora_rank)
             self.coordinator, start = self._open_run()
         except BaseException:
             self.backend.close()

@@ -58,14 +58,14 @@ def same_model(a: str, b: str) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
-def apply_init_from(init_from: str, client: TrainingClient, host: Any, model: str, lora_rank: int) -> WarmStart:
-    """Load `init_from`'s adapter weights into `client`'s policy (version 0, fresh optimizer)."""
+def check_init_from(init_from: str, host: Any, model: str, lora_rank: int) -> tuple[str, str | None]:
+    """Every check that needs no worker: the source exists, and has this run's base model and LoRA rank.
+    Runs before the new run is created, so a wrong `init_from` leaves nothing behind."""
     kind, where = parse_init_from(init_from)
     if kind == "adapter":
-        files = _adapter_directory(where, model, lora_rank)
-        client.load_state(PolicyState(client.policy, files, 0), include_optimizer=False)
-        return WarmStart(f"adapter {where}")
-    run_id, step = kind, where
+        _adapter_directory(where, model, lora_rank)
+        return kind, where
+    run_id = kind
     source = _run_config(host, run_id)
     trained_on = str(source.get("model", ""))
     if not same_model(trained_on, model):
@@ -80,6 +80,17 @@ def apply_init_from(init_from: str, client: TrainingClient, host: Any, model: st
             f"init_from={init_from!r}: run {run_id!r} has LoRA rank {source_rank}, this run lora_rank={lora_rank}",
             hint=f"set lora_rank={source_rank} to continue from that adapter",
         )
+    return kind, where
+
+
+def apply_init_from(init_from: str, client: TrainingClient, host: Any, model: str, lora_rank: int) -> WarmStart:
+    """Load `init_from`'s adapter weights into `client`'s policy (version 0, fresh optimizer)."""
+    kind, where = check_init_from(init_from, host, model, lora_rank)
+    if kind == "adapter":
+        files = _adapter_directory(where, model, lora_rank)
+        client.load_state(PolicyState(client.policy, files, 0), include_optimizer=False)
+        return WarmStart(f"adapter {where}")
+    run_id, step = kind, where
     wanted = None if step == "latest" else int(step)
     policy = CheckpointPolicy("default", "", client.remote(client.policy), 0)
     try:
@@ -151,4 +162,4 @@ def _adapter_directory(directory: str, model: str, lora_rank: int) -> dict[str, 
     return {f"adapter/{p.name}": p.read_bytes() for p in path.iterdir() if p.is_file()}
 
 
-__all__ = ["WarmStart", "apply_init_from", "parse_init_from", "same_model"]
+__all__ = ["WarmStart", "apply_init_from", "check_init_from", "parse_init_from", "same_model"]
