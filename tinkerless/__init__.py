@@ -11,6 +11,7 @@ Public API:
 - `env`, `reward`: decorators for user environments and reward functions;
 - `StepResult`: what an env's `step()` returns;
 - `train`, `TrainConfig`, `RunResult`: run RL end to end;
+- `evaluate`, `export`: a checkpoint's reward and pass@k, or its adapter/merged weights as files (docs/eval.md);
 - `MultiStepResult`, `Frozen`, `self_play`, `versus`, `round_robin`: multi-agent envs and who plays them;
 - `tool`, `ToolEnv`: tool-calling envs;
 - `TrainingClient`, `LocalBackend`: Tinker-style primitives (sample, forward_backward, optim_step, save/load_state);
@@ -34,6 +35,8 @@ _LAZY = {
     "train": "tinkerless.sdk.trainer",
     "RunResult": "tinkerless.sdk.trainer",
     "TrainConfig": "tinkerless.sdk.config",
+    "evaluate": "tinkerless.sdk.evaluate",
+    "export": "tinkerless.sdk.export",
     "TrainingClient": "tinkerless.sdk.client",
     "LocalBackend": "tinkerless.sdk.backends",
     "LossConfig": "tinkerless.functions.losses",
