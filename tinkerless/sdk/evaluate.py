@@ -48,6 +48,7 @@ class EvalReport:
     seconds: float = 0.0  # wall time of the rollout call
     sampled_tokens: int = 0
     step: int | None = None  # the checkpoint step that was loaded (resolved for @latest)
+    played: list[Episode] = field(default_factory=list, repr=False)  # every episode, as the rollout returned it
 
     @property
     def mean(self) -> float:
@@ -100,19 +101,21 @@ def load_checkpoint(backend: Backend, config: TrainConfig, run_id: str, step: in
     host = run_host_for(backend, config.storage, config.storage_options)
     state = find_run(host, run_id)
     check_base_model(state, config.model, f"run {run_id!r}")
+    from tinkerless.sdk.trainer import CLIENT_STATE_FILE  # the trainer imports this module
+
     restored = host.checkpoints(run_id).restore(
-        [CheckpointPolicy("default", "", "default")], ["client.json"], step, driver=False
+        [CheckpointPolicy("default", "", "default")], [CLIENT_STATE_FILE], step, driver=False
     )
     if restored.step is None:
         raise UserError(f"run {run_id!r} has no valid checkpoint in {host.where}", hint="see `tinkerless runs`")
     return restored.step
 
 
-def eval_tasks(config: TrainConfig, tasks: Any = None, num_tasks: int | None = None) -> list[dict]:
+def choose_tasks(config: TrainConfig, tasks: Any = None, num_tasks: int | None = None) -> list[dict]:
     """The tasks to evaluate on: `tasks`, else the config's held-out `eval_tasks`, else its `tasks`; in their
     order (a list or JSONL file: all of it unless `num_tasks` says how many; a function or stream: the first
     `num_tasks`, default 32)."""
-    source_tasks = next((t for t in (tasks, getattr(config, "eval_tasks", None), config.tasks) if t is not None), None)
+    source_tasks = next((t for t in (tasks, config.eval_tasks, config.tasks) if t is not None), None)
     if source_tasks is None:
         raise ConfigError("there are no tasks to evaluate on", hint="give the config tasks= (or eval_tasks=)")
     if num_tasks is not None and (isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1):
@@ -122,6 +125,19 @@ def eval_tasks(config: TrainConfig, tasks: Any = None, num_tasks: int | None = N
     if config.env is not None:
         check_reset_fields(config.env, source, count=min(count, 8))
     return source.batch(0, count)[0]
+
+
+def held_out_tasks(config: TrainConfig) -> list[dict]:
+    """The tasks `eval_every` plays: the config's `eval_tasks`, all of a list (32 of a task function)."""
+    return choose_tasks(config, config.eval_tasks)
+
+
+def eval_columns(report: "EvalReport") -> dict:
+    """An eval's metrics.jsonl columns, next to the training step's own."""
+    columns = {"eval_reward_mean": report.mean, "eval_episodes": report.episodes, "eval_errors": report.errors,
+               "eval_s": report.seconds}
+    columns.update({f"eval_pass@{k}": v for k, v in sorted(report.pass_at.items())})
+    return columns
 
 
 def rollout_request(config: TrainConfig, policy: str, tasks: list[dict], group_size: int, seed: int) -> RolloutRequest:
@@ -144,7 +160,7 @@ def rollout_request(config: TrainConfig, policy: str, tasks: list[dict], group_s
 def play(
     client: TrainingClient, config: TrainConfig, tasks: list[dict], *, samples: int, seed: int, policy: str = "default",
     rule: PassRule | None = None, source: str = "",
-) -> tuple[EvalReport, list[Episode]]:
+) -> EvalReport:
     """Play every task `samples` times with `client`'s policy (`policy` "base": no adapter); no training."""
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ConfigError(f"samples per task must be a whole number >= 1, got {samples!r}")
@@ -159,7 +175,7 @@ def play(
         if 0 <= episode.task_index < len(tasks) and rule.passed(episode.reward, episode.status == "error"):
             passed[episode.task_index] += 1
     ks = sorted(k for k in {1, config.group_size} if k <= samples)
-    report = EvalReport(
+    return EvalReport(
         source=source,
         rewards=[e.reward for e in ok],
         errors=len(episodes) - len(ok),
@@ -170,8 +186,8 @@ def play(
         pass_rule=rule.describe(),
         seconds=seconds,
         sampled_tokens=int(sum(float(e.mask.sum()) for e in episodes)),
+        played=episodes,
     )
-    return report, episodes
 
 
 def evaluate(
@@ -206,10 +222,12 @@ def evaluate(
             raise ConfigError("episodes= is the older form of num_tasks= with samples=1; give one or the other")
         num_tasks, samples = episodes, 1
     samples = config.group_size if samples is None else samples
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:  # before any model loads
+        raise ConfigError(f"samples per task must be a whole number >= 1, got {samples!r}", hint="e.g. --samples 4")
     rule = PassRule(pass_threshold)
     if transcripts is not None:  # a bad path fails now, not after every episode was played
         _check_writable(Path(transcripts))
-    chosen = eval_tasks(config, tasks, num_tasks)
+    chosen = choose_tasks(config, tasks, num_tasks)
     backend = make_backend(config.backend, config.model, engine=config.engine)
     try:
         policy, loaded = BASE_POLICY, None
@@ -222,7 +240,7 @@ def evaluate(
             loaded = load_checkpoint(backend, config, ref.run_id, ref.step)
             policy = "default"
         client = TrainingClient(backend, policy, create=False)
-        report, played = play(client, config, chosen, samples=samples, seed=seed, policy=policy, rule=rule,
+        report = play(client, config, chosen, samples=samples, seed=seed, policy=policy, rule=rule,
                               source=_source(config, ref, adapter))
     finally:
         backend.close()
@@ -232,7 +250,7 @@ def evaluate(
         records = (
             {**episode_record(e, limits, step=loaded, task=chosen[e.task_index]),
              "passed": rule.passed(e.reward, e.status == "error")}
-            for e in played
+            for e in report.played
         )
         report.transcripts = write_transcripts(transcripts, records)
     return report
