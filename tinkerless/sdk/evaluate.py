@@ -231,7 +231,7 @@ def evaluate(
     backend = make_backend(config.backend, config.model, engine=config.engine)
     try:
         policy, loaded = BASE_POLICY, None
-        if adapter:
+        if adapter is not None:
             TrainingClient(backend, "default", create=False).load_state(
                 PolicyState("default", adapter_files(adapter)), include_optimizer=False
             )
@@ -257,18 +257,20 @@ def evaluate(
 
 
 def _which_checkpoint(checkpoint, run_id: str | None, step: int | None, adapter: str | None) -> CheckpointRef | None:
-    given = [name for name, value in (("checkpoint", checkpoint), ("run_id", run_id), ("adapter", adapter)) if value]
+    given = [name for name, value in (("checkpoint", checkpoint), ("run_id", run_id), ("adapter", adapter)) if value is not None]
     if len(given) > 1:
         raise ConfigError(f"give one of {' / '.join(given)}, not several", hint="e.g. checkpoint='my-run@latest'")
-    if step is not None and not run_id:
+    if step is not None and run_id is None:
         raise ConfigError("step= needs run_id= (or write checkpoint='RUN_ID@STEP')")
-    if checkpoint:
+    if checkpoint is not None:
         return checkpoint if isinstance(checkpoint, CheckpointRef) else parse_checkpoint(checkpoint)
-    return CheckpointRef(run_id, step) if run_id else None
+    if run_id is None:
+        return None
+    return parse_checkpoint(f"{run_id}@{'latest' if step is None else step}")  # the same checks as --checkpoint
 
 
 def _source(config: TrainConfig, ref: CheckpointRef | None, adapter: str | None) -> str:
-    if adapter:
+    if adapter is not None:
         return str(adapter)
     if ref is None or ref.is_base:
         return f"base model {config.model}"
