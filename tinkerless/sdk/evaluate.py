@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tinkerless.envs.base import is_multi_agent
-from tinkerless.errors import ConfigError, UserError
+from tinkerless.errors import ConfigError, DatasetError, UserError
 from tinkerless.sdk.backends import Backend, make_backend
 from tinkerless.sdk.checkpoint_ref import CheckpointRef, check_base_model, find_run, parse_checkpoint
 from tinkerless.sdk.client import TrainingClient
@@ -129,7 +129,10 @@ def choose_tasks(config: TrainConfig, tasks: Any = None, num_tasks: int | None =
 
 def held_out_tasks(config: TrainConfig) -> list[dict]:
     """The tasks `eval_every` plays: the config's `eval_tasks`, all of a list (32 of a task function)."""
-    return choose_tasks(config, config.eval_tasks)
+    try:
+        return choose_tasks(config, config.eval_tasks)
+    except DatasetError as exc:  # say which of the config's task sets is wrong
+        raise DatasetError(f"eval_tasks: {exc.message}", hint=exc.hint) from None
 
 
 def eval_columns(report: "EvalReport") -> dict:
