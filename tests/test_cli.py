@@ -219,7 +219,7 @@ def test_single_config_under_another_name_is_found(tiny_model, tmp_path):
 def test_eval_unknown_run(trained, capsys):
     file, _ = trained
     code, _, err = run_main(capsys, "eval", file, "--run-id", "no-such-run", "--episodes", "2")
-    assert_cli_error(code, err, "'no-such-run' has no valid checkpoint", "tinkerless runs")
+    assert_cli_error(code, err, "run 'no-such-run' does not exist", "tinkerless runs")
 
 
 def test_eval_adapter_dir_without_config(trained, tmp_path, capsys):

@@ -12,6 +12,7 @@ Public API:
 - `StepResult`: what an env's `step()` returns;
 - `train`, `TrainConfig`, `RunResult`: run RL end to end;
 - `sft`, `SFTConfig`: supervised fine-tuning on chat data (docs/sft.md);
+- `evaluate`, `export`: a checkpoint's reward and pass@k, or its adapter/merged weights as files (docs/eval.md);
 - `MultiStepResult`, `Frozen`, `self_play`, `versus`, `round_robin`: multi-agent envs and who plays them;
 - `tool`, `ToolEnv`: tool-calling envs;
 - `TrainingClient`, `LocalBackend`: Tinker-style primitives (sample, forward_backward, optim_step, save/load_state);
@@ -37,6 +38,8 @@ _LAZY = {
     "TrainConfig": "tinkerless.sdk.config",
     "sft": "tinkerless.sdk.sft",
     "SFTConfig": "tinkerless.sdk.sft_config",
+    "evaluate": "tinkerless.sdk.evaluate",
+    "export": "tinkerless.sdk.export",
     "TrainingClient": "tinkerless.sdk.client",
     "LocalBackend": "tinkerless.sdk.backends",
     "LossConfig": "tinkerless.functions.losses",

@@ -1,8 +1,9 @@
-"""The `tinkerless` command: train, runs, eval.
+"""The `tinkerless` command: train, runs, eval, export.
 
     tinkerless train examples/arithmetic.py [--steps 20] [--resume --run-id ID]
     tinkerless runs [--storage DIR | --server URL]
-    tinkerless eval examples/arithmetic.py --run-id ID [--step N] [--episodes 32] [--transcripts FILE]
+    tinkerless eval examples/arithmetic.py --checkpoint RUN_ID@STEP|RUN_ID@latest|base [--samples 4] [--transcripts FILE]
+    tinkerless export RUN_ID@STEP OUT [--merged]   # a PEFT adapter directory, or merged weights + tokenizer
     tinkerless config-reference          # every TrainConfig field (docs/config.md)
 
 An example file defines a module-level `config = tinkerless.TrainConfig(...)`;
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 from tinkerless.errors import ConfigError, TinkerlessError, UserCodeError
-from tinkerless.sdk import cli_sft
+from tinkerless.sdk import cli_eval, cli_export, cli_sft
 
 
 def load_config(path: str):
@@ -156,21 +157,8 @@ def _parser() -> argparse.ArgumentParser:
         "--server", help="list the runs kept by this `tinkerless serve` URL instead (key: $TINKERLESS_API_KEY)"
     )
 
-    evaluate = sub.add_parser("eval", help="run the env with a saved adapter, no training")
-    evaluate.add_argument("file", help="a Python file that defines `config = tinkerless.TrainConfig(...)`")
-    evaluate.add_argument("--run-id", help="evaluate this run's checkpoint (default: the base model)")
-    evaluate.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-    evaluate.add_argument("--adapter", help="a PEFT adapter directory instead of a run checkpoint")
-    evaluate.add_argument("--storage", default=None, help="where the run lives (default: the config's storage)")
-    evaluate.add_argument("--backend", default=None, help="e.g. http://host:port: a run hosted by that server (default: the config's backend)")
-    evaluate.add_argument("--model", default=None, help="base model (default: the config's model)")
-    evaluate.add_argument("--episodes", type=int, default=32, help="episodes to play, one per task (default: %(default)s)")
-    evaluate.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the config's)")
-    evaluate.add_argument("--seed", type=int, default=12345, help="seed of the tasks and the sampling (default: %(default)s)")
-    evaluate.add_argument(
-        "--transcripts", metavar="FILE",
-        help="write every episode (messages, per-turn rewards, token counts, status) to this JSON-lines file",
-    )
+    cli_eval.add_parser(sub)
+    cli_export.add_parser(sub)
 
     cli_sft.add_parsers(sub)  # sft, export-episodes
 
@@ -199,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
 
             sys.stdout.write(render_markdown())
             return 0
-        return _eval(args)
+        if args.command == "export":
+            return cli_export.run(args)
+        return cli_eval.run(args)
     except TinkerlessError as exc:
         print(f"tinkerless: error: {exc}", file=sys.stderr)
         return 2
@@ -344,21 +334,6 @@ def _runs(args) -> int:
 
 def _fmt(value) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
-
-
-def _eval(args) -> int:
-    from tinkerless.sdk.evaluate import evaluate
-
-    config = load_config(args.file)
-    given = (("storage", args.storage), ("backend", args.backend), ("model", args.model), ("temperature", args.temperature))
-    changes = {k: v for k, v in given if v}
-    config = config.replace(**changes)
-    report = evaluate(
-        config, run_id=args.run_id, step=args.step, adapter=args.adapter, episodes=args.episodes, seed=args.seed,
-        transcripts=args.transcripts,
-    )
-    print(report.describe())
-    return 0
 
 
 if __name__ == "__main__":

@@ -89,6 +89,9 @@ class TrainConfig:
     # pay-per-use: device seconds are priced in $/hour; see tinkerless.sdk.accounting.DEFAULT_PRICES_PER_HOUR
     prices: dict[str, float] | None = None  # device name -> $/hour, tried before the defaults ("H100": 2.0)
     price_per_hour: float | None = None  # one flat $/hour for whatever device runs the functions
+    # held-out evaluation while training (docs/eval.md)
+    eval_every: int | None = None  # every N steps, from step 0: play eval_tasks with the current policy (no training); None: never
+    eval_tasks: Any = None  # held-out tasks for eval_every and `tinkerless eval` (the forms of tasks); episodes per task: group_size
 
     def validate(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -134,11 +137,23 @@ class TrainConfig:
             )
         if self.tasks is None:
             raise ConfigError("a run needs tasks", hint="tasks=[{...}], a JSONL path, or a generator function")
+        self._validate_eval()
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", self.run_id):
             raise ConfigError(f"invalid run_id {self.run_id!r}", hint="letters, digits, '.', '_' and '-'")
         self.loss_config().validate()
         self.advantage_config().validate()
         self.price_table()
+
+    def _validate_eval(self) -> None:
+        if self.eval_every is None:
+            return
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, numbers.Integral) or self.eval_every < 1:
+            raise ConfigError(f"eval_every must be a whole number of steps (at least 1) or None, got {self.eval_every!r}")
+        if self.eval_tasks is None:
+            raise ConfigError("eval_every needs held-out tasks to evaluate on",
+                              hint="give eval_tasks=[{...}] (or a JSONL path or task function), tasks the run does not train on")
+        if self.env is not None and is_multi_agent(self.env):
+            raise ConfigError("eval_every is for single-agent runs", hint="a multi-agent run's metrics have win rates per policy")
 
     def loss_config(self) -> LossConfig:
         normalization = self.normalization or ALGORITHMS[self.algo][1]
@@ -179,7 +194,7 @@ class TrainConfig:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("env", "reward", "tasks") and value is not None and not isinstance(value, (str, int, float)):
+            if f.name in ("env", "reward", "tasks", "eval_tasks") and value is not None and not isinstance(value, (str, int, float)):
                 value = getattr(value, "__qualname__", type(value).__name__)
             if f.name == "agents" and value is not None:
                 value = repr(value)

@@ -111,7 +111,7 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str |
         return [_as_float(r.get(key)) for r in records]
 
     # Optional panels appear only when some step logged a finite value for them.
-    optional = ("win_rate", "kl", "entropy")
+    optional = ("win_rate", "kl", "entropy", "eval_pass@1")
     panels = ["reward_mean", "loss"] + [k for k in optional if any(math.isfinite(v) for v in series(k))]
     fig = Figure(figsize=(7, 2.4 * len(panels)), constrained_layout=True)
     FigureCanvasAgg(fig)
@@ -124,14 +124,26 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str |
         if not any(math.isfinite(v) for v in values):
             ax.text(0.5, 0.5, f"no {key} logged", ha="center", va="center", transform=ax.transAxes, color="gray")
             continue
-        ax.plot(steps, values, marker="o", markersize=3, linewidth=1.5)
         if key == "reward_mean":
+            ax.plot(steps, values, marker="o", markersize=3, linewidth=1.5, label="train")
+            _plot_held_out(ax, steps, series("eval_reward_mean"))
             std = [s if math.isfinite(s) else 0.0 for s in series("reward_std")]
             low = [m - s for m, s in zip(values, std)]
             high = [m + s for m, s in zip(values, std)]
             ax.fill_between(steps, low, high, alpha=0.25, label="± reward_std")
             ax.legend(loc="best", fontsize="small")
+        elif key.startswith("eval_"):  # logged every eval_every steps: join the steps that have it
+            _plot_held_out(ax, steps, values)
+        else:
+            ax.plot(steps, values, marker="o", markersize=3, linewidth=1.5)
     return _save(fig, axes, png_path, title)
+
+
+def _plot_held_out(ax, steps: list, values: list[float]) -> None:
+    """eval_every's reward on the held-out tasks, beside the training reward (only the steps that ran it)."""
+    points = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
+    if points:
+        ax.plot(*zip(*points), marker="s", markersize=4, linewidth=1.5, color="tab:orange", label="eval (held-out)")
 
 
 def jsonable(value: Any) -> Any:

@@ -28,6 +28,8 @@ from tinkerless.sdk.accounting import RunUsage, format_usage, latest_usage
 from tinkerless.sdk.advantages import group_advantages
 from tinkerless.sdk.backends import Backend, device_of, make_backend, with_usage
 from tinkerless.sdk.client import TrainingClient
+from tinkerless.sdk.evaluate import eval_columns, held_out_tasks
+from tinkerless.sdk.evaluate import play as play_eval
 from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
 from tinkerless.envs.base import is_multi_agent
@@ -108,6 +110,7 @@ class _Run:
         if config.env is not None:
             check_reset_fields(config.env, self.tasks, count=config.batch_size)
         self.multi_agent = config.env is not None and is_multi_agent(config.env)
+        self.eval_tasks = held_out_tasks(config) if config.eval_every else None  # a bad set fails before the model loads
         self.policies = trainable_policies(config.agents) if self.multi_agent else ["default"]
         self.seats = build_seats(config.agents) if self.multi_agent else []
         self.events: list[tuple[int, str, str]] = []  # (step, event, policy): the barrier's observable order
@@ -228,7 +231,9 @@ class _Run:
         try:
             checkpoint_s = 0.0  # a checkpoint's time is reported with the next step's record
             while self.step < config.steps:
+                held_out = self._held_out_eval() if config.eval_every and self.step % config.eval_every == 0 else {}
                 record, policy_versions = self._train_step()
+                record.update(held_out)
                 record["storage_s"] += checkpoint_s
                 record.update(self.usage.step_columns())
                 # The step's line goes out before its checkpoint: a crash in between leaves a line that
@@ -288,6 +293,13 @@ class _Run:
         """What a failed run used so far (None if it failed before its backend existed)."""
         usage = getattr(self, "usage", None)
         return None if usage is None else {"usage": usage.summary()}
+
+    def _held_out_eval(self) -> dict:
+        """eval_every: the policy this step samples from plays eval_tasks (same seed every time), never trained on."""
+        with self.usage.phase("rollout"):
+            report = play_eval(self.clients["default"], self.config, self.eval_tasks,
+                                  samples=self.config.group_size, seed=self.config.seed)
+        return eval_columns(report)
 
     def _train_step(self) -> tuple[dict, dict[str, int]]:
         config, step = self.config, self.step
