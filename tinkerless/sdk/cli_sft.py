@@ -17,12 +17,30 @@ from tinkerless.errors import DatasetError, UserError
 
 COMMANDS = ("sft", "export-episodes")
 
-# SFTConfig fields that `tinkerless sft` takes as flags.
+# SFTConfig fields that `tinkerless sft` takes as flags, with their help (docs/sft.md has the table).
 _SFT_FLAGS = {
-    "model": str, "eval_data": str, "eval_fraction": float, "init_from": str, "name": str, "steps": int,
-    "epochs": int, "batch_size": int, "learning_rate": float, "lora_rank": int, "lora_alpha": int,
-    "max_length": int, "eval_every": int, "seed": int, "backend": str, "engine": str, "threads": int,
-    "storage": str, "run_id": str, "checkpoint_every": int, "keep_checkpoints": int, "micro_batch_size": int,
+    "model": (str, "base model (default: smollm2)"),
+    "eval_data": (str, "held-out chat JSONL for eval NLL (default: hold out --eval-fraction of DATA)"),
+    "eval_fraction": (float, "share of DATA held out for eval NLL when there is no --eval-data (default: 0.1)"),
+    "init_from": (str, "warm start from RUN_ID@STEP, RUN_ID@latest, or a PEFT adapter directory"),
+    "name": (str, "run name: run ids are NAME-<date>-<time>-<hex> (default: sft)"),
+    "steps": (int, "optimizer steps (default: --epochs passes over the training examples)"),
+    "epochs": (int, "passes over the data when --steps is not given (default: 1)"),
+    "batch_size": (int, "examples per step (default: 8)"),
+    "learning_rate": (float, "AdamW learning rate (default: 2e-4)"),
+    "lora_rank": (int, "LoRA rank (default: 16)"),
+    "lora_alpha": (int, "LoRA alpha (default: 32)"),
+    "max_length": (int, "tokens per conversation; longer ones are an error naming their line (default: 2048)"),
+    "eval_every": (int, "steps between eval-NLL measurements (default: 5)"),
+    "seed": (int, "seed of the hold-out split, the data order and the LoRA init (default: 0)"),
+    "backend": (str, "local, modal, sky, sky:CLUSTER or http://host:port (default: local)"),
+    "engine": (str, "auto, transformers or vllm (default: auto)"),
+    "threads": (int, "local CPU threads (default: OMP_NUM_THREADS, else the free usable cores)"),
+    "storage": (str, "a directory or fsspec URL for runs/ (default: .)"),
+    "run_id": (str, "the run id (default: generated from --name)"),
+    "checkpoint_every": (int, "steps between verified checkpoints; the last step is always saved (default: 5)"),
+    "keep_checkpoints": (int, "checkpoints kept (default: 3)"),
+    "micro_batch_size": (int, "sequences per forward/backward micro-batch (default: 16)"),
 }
 
 
@@ -33,8 +51,8 @@ def add_parsers(sub) -> None:
         '{"messages": [...]} (optional per-message "train": false) or {"prompt": ..., "completion": ...}.',
     )
     sft.add_argument("file", metavar="DATA", help="chat JSONL file")
-    for name, kind in _SFT_FLAGS.items():
-        sft.add_argument(f"--{name.replace('_', '-')}", type=kind, dest=name, metavar=name.upper())
+    for name, (kind, text) in _SFT_FLAGS.items():
+        sft.add_argument(f"--{name.replace('_', '-')}", type=kind, dest=name, metavar=name.upper(), help=text)
     sft.add_argument("--resume", action="store_true", help="continue run --run-id (or the newest of --name) from its checkpoint")
     sft.add_argument("--no-progress", action="store_true", help="no progress bar")
 
