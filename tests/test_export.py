@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tinkerless
-from tinkerless.errors import StorageNotFound, UserError
+from tinkerless.errors import ConfigError, StorageNotFound, UserError
 from tinkerless.functions.models import build_tiny_model
 from tinkerless.sdk.backends import LocalBackend
 from tinkerless.sdk.cli import main
@@ -167,6 +167,13 @@ def test_unknown_run_step_or_reference(run, tmp_path, ref, error, fragment):
     with pytest.raises(error, match=fragment):
         tinkerless.export(ref, tmp_path / "out", storage=str(storage))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_backend_export_cannot_read_is_refused(run, tmp_path):
+    _, storage = run
+    with pytest.raises(ConfigError, match="not backend 'sky'") as caught:
+        tinkerless.export("ex@1", tmp_path / "out", storage=str(storage), backend="sky")
+    assert "http://host:port" in caught.value.hint
 
 
 def test_checkpoint_of_another_base_model_and_unknown_policy(run, tmp_path):

@@ -90,9 +90,15 @@ def _read_adapter(
     ref: CheckpointRef, storage: str, backend: str, model: str | None, storage_options: dict | None, policy: str
 ) -> tuple[dict[str, bytes], int, str]:
     """The checkpoint's adapter files (adapter/<name>), its step, and the base model the run trained."""
-    if not isinstance(backend, str) or not backend.startswith(("http://", "https://")):
+    if backend in ("local", "modal"):  # their runs live in `storage`, which this process reads itself
         return _from_storage(ref, storage, storage_options, model, policy)
-    return _from_server(ref, backend, model, policy)
+    if isinstance(backend, str) and backend.startswith(("http://", "https://")):
+        return _from_server(ref, backend, model, policy)
+    raise ConfigError(
+        f"export reads runs from storage or from a `tinkerless serve` server, not backend {backend!r}",
+        hint="pass the run's --storage (local and Modal runs), or the server's URL as --backend http://host:port "
+        "(a SkyPilot cluster's server too)",
+    )
 
 
 def _from_storage(
