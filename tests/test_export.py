@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tinkerless
-from tinkerless.errors import ConfigError, StorageNotFound, UserError
+from tinkerless.errors import ConfigError, StorageError, StorageNotFound, UserError
 from tinkerless.functions.models import build_tiny_model
 from tinkerless.sdk.backends import LocalBackend
 from tinkerless.sdk.cli import main
@@ -102,7 +102,7 @@ def test_cli_export_of_an_earlier_step(run, tmp_path, capsys):
     _, storage = run
     out = tmp_path / "step1"
     assert main(["export", "ex@1", str(out), "--storage", str(storage)]) == 0
-    assert f"exported run ex step 1 as a PEFT adapter" in capsys.readouterr().out
+    assert "exported run ex step 1 as a PEFT adapter" in capsys.readouterr().out
     step1 = load_file(out / "adapter_model.safetensors")
     step2 = load_file(tinkerless.export("ex@2", tmp_path / "step2", storage=str(storage)).path / "adapter_model.safetensors")
     assert step1.keys() == step2.keys() and any(not torch.equal(step1[k], step2[k]) for k in step1)
@@ -148,7 +148,7 @@ def test_a_failed_export_leaves_nothing(run, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(export_module, "_write_merged", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(StorageError, match="disk full; nothing was written there"):
         tinkerless.export("ex@1", tmp_path / "merged", storage=str(storage), merged=True)
     assert not (tmp_path / "merged").exists() and _leftovers(tmp_path) == []
 
