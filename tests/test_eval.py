@@ -186,3 +186,25 @@ def test_conflicting_and_invalid_options(run, capsys):
     with pytest.raises(SystemExit):  # argparse: --checkpoint and --run-id are exclusive
         main(["eval", "x.py", "--checkpoint", "ev@1", "--run-id", "ev"])
     capsys.readouterr()
+
+
+def test_eval_through_a_server_plays_what_a_local_eval_plays(tiny_model, worker, tmp_path):
+    from tinkerless.sdk.http_backend import HTTPBackend
+    from tinkerless.server import create_app
+    from tinkerless.server import serve_in_thread as running
+
+    server = tmp_path / "server"
+    config = _config(tiny_model, tmp_path / "client", steps=1, run_id="served")
+    with running(create_app(worker, storage=str(server))) as url:
+        tinkerless.train(config, backend=HTTPBackend(url))
+        remote = evaluate(config.replace(backend=url), checkpoint="served@latest", samples=2, seed=9)
+        with pytest.raises(UserError, match="run 'nope' does not exist"):
+            evaluate(config.replace(backend=url), checkpoint="nope@1")
+    assert remote.step == 1 and remote.episodes == 6
+    # The same run read straight from the server's storage, played by a local worker.
+    storage = next(server.rglob("runs/served/state.json")).parents[2]
+    local = evaluate(config.replace(storage=str(storage)), checkpoint="served@1", samples=2, seed=9)
+    for ours, theirs in zip(local.played, remote.played):
+        np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+        assert ours.reward == theirs.reward
+    assert local.pass_at == remote.pass_at

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tinkerless
-from tinkerless.errors import StorageNotFound, UserError
+from tinkerless.errors import ConfigError, StorageError, StorageNotFound, UserError
 from tinkerless.functions.models import build_tiny_model
 from tinkerless.sdk.backends import LocalBackend
 from tinkerless.sdk.cli import main
@@ -102,7 +102,7 @@ def test_cli_export_of_an_earlier_step(run, tmp_path, capsys):
     _, storage = run
     out = tmp_path / "step1"
     assert main(["export", "ex@1", str(out), "--storage", str(storage)]) == 0
-    assert f"exported run ex step 1 as a PEFT adapter" in capsys.readouterr().out
+    assert "exported run ex step 1 as a PEFT adapter" in capsys.readouterr().out
     step1 = load_file(out / "adapter_model.safetensors")
     step2 = load_file(tinkerless.export("ex@2", tmp_path / "step2", storage=str(storage)).path / "adapter_model.safetensors")
     assert step1.keys() == step2.keys() and any(not torch.equal(step1[k], step2[k]) for k in step1)
@@ -148,7 +148,7 @@ def test_a_failed_export_leaves_nothing(run, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(export_module, "_write_merged", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(StorageError, match="disk full; nothing was written there"):
         tinkerless.export("ex@1", tmp_path / "merged", storage=str(storage), merged=True)
     assert not (tmp_path / "merged").exists() and _leftovers(tmp_path) == []
 
@@ -167,6 +167,13 @@ def test_unknown_run_step_or_reference(run, tmp_path, ref, error, fragment):
     with pytest.raises(error, match=fragment):
         tinkerless.export(ref, tmp_path / "out", storage=str(storage))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_backend_export_cannot_read_is_refused(run, tmp_path):
+    _, storage = run
+    with pytest.raises(ConfigError, match="not backend 'sky'") as caught:
+        tinkerless.export("ex@1", tmp_path / "out", storage=str(storage), backend="sky")
+    assert "http://host:port" in caught.value.hint
 
 
 def test_checkpoint_of_another_base_model_and_unknown_policy(run, tmp_path):

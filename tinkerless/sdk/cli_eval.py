@@ -28,7 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument("--backend", default=None, help="e.g. http://host:port: a run hosted by that server (default: the config's backend)")
     parser.add_argument("--model", default=None, help="base model (default: the config's model; a checkpoint must be of a run on it)")
     parser.add_argument("--tasks", type=int, default=None, dest="num_tasks", metavar="N",
-                        help="how many eval tasks (default: all of a task list or JSONL file; 32 from a task function)")
+                        help="how many eval tasks (default: all of a task list or JSONL file; 8 from a task function)")
     parser.add_argument("--samples", type=int, default=None, metavar="N",
                         help="episodes per task, the n of pass@k (default: the config's group_size)")
     parser.add_argument("--episodes", type=int, default=None, metavar="N",

@@ -18,7 +18,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument("--merged", action="store_true", help="merge the adapter into the base model's weights")
     parser.add_argument("--storage", default=".", help="where the run lives: a directory or fsspec URL (default: %(default)s)")
     parser.add_argument("--backend", default="local",
-                        help="http://host:port: a run kept by that `tinkerless serve` server (key: $TINKERLESS_API_KEY)")
+                        help="local (the default) or modal: the run is in --storage; http://host:port: a run kept by that "
+                        "`tinkerless serve` server (key: $TINKERLESS_API_KEY)")
     parser.add_argument("--model", default=None, help="the run's base model (default: as the run recorded it); another is refused")
     parser.add_argument("--policy", default="default", help="which policy of a multi-agent run (default: %(default)s)")
     return parser

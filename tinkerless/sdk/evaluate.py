@@ -31,7 +31,9 @@ from tinkerless.wire import pack_code
 from tinkerless.wire.messages import BASE_POLICY, Episode, EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
 from tinkerless.wire.runs import CheckpointPolicy
 
-DEFAULT_GENERATED_TASKS = 32  # tasks drawn from a task function or stream when no count is given
+# Tasks drawn from a task function or stream when no count is given: with group_size 4, the 32 episodes
+# the older `--episodes` default played.
+DEFAULT_GENERATED_TASKS = 8
 
 
 @dataclass
@@ -114,7 +116,7 @@ def load_checkpoint(backend: Backend, config: TrainConfig, run_id: str, step: in
 def choose_tasks(config: TrainConfig, tasks: Any = None, num_tasks: int | None = None) -> list[dict]:
     """The tasks to evaluate on: `tasks`, else the config's held-out `eval_tasks`, else its `tasks`; in their
     order (a list or JSONL file: all of it unless `num_tasks` says how many; a function or stream: the first
-    `num_tasks`, default 32)."""
+    `num_tasks`, default 8)."""
     source_tasks = next((t for t in (tasks, config.eval_tasks, config.tasks) if t is not None), None)
     if source_tasks is None:
         raise ConfigError("there are no tasks to evaluate on", hint="give the config tasks= (or eval_tasks=)")
@@ -128,7 +130,7 @@ def choose_tasks(config: TrainConfig, tasks: Any = None, num_tasks: int | None =
 
 
 def held_out_tasks(config: TrainConfig) -> list[dict]:
-    """The tasks `eval_every` plays: the config's `eval_tasks`, all of a list (32 of a task function)."""
+    """The tasks `eval_every` plays: the config's `eval_tasks`, all of a list (8 of a task function)."""
     try:
         return choose_tasks(config, config.eval_tasks)
     except DatasetError as exc:  # say which of the config's task sets is wrong
@@ -231,7 +233,8 @@ def evaluate(
     if transcripts is not None:  # a bad path fails now, not after every episode was played
         _check_writable(Path(transcripts))
     chosen = choose_tasks(config, tasks, num_tasks)
-    backend = make_backend(config.backend, config.model, engine=config.engine)
+    threads = {"threads": config.threads} if config.backend == "local" and config.threads else {}
+    backend = make_backend(config.backend, config.model, engine=config.engine, **threads)
     try:
         policy, loaded = BASE_POLICY, None
         if adapter is not None:

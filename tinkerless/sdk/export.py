@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tinkerless.errors import ConfigError, UserError
+from tinkerless.errors import ConfigError, StorageError, UserError
 from tinkerless.sdk.checkpoint_ref import CheckpointRef, check_base_model, find_run, parse_checkpoint, run_model
 
 ADAPTER_PREFIX = "adapter/"
@@ -90,9 +90,15 @@ def _read_adapter(
     ref: CheckpointRef, storage: str, backend: str, model: str | None, storage_options: dict | None, policy: str
 ) -> tuple[dict[str, bytes], int, str]:
     """The checkpoint's adapter files (adapter/<name>), its step, and the base model the run trained."""
-    if not isinstance(backend, str) or not backend.startswith(("http://", "https://")):
+    if backend in ("local", "modal"):  # their runs live in `storage`, which this process reads itself
         return _from_storage(ref, storage, storage_options, model, policy)
-    return _from_server(ref, backend, model, policy)
+    if isinstance(backend, str) and backend.startswith(("http://", "https://")):
+        return _from_server(ref, backend, model, policy)
+    raise ConfigError(
+        f"export reads runs from storage or from a `tinkerless serve` server, not backend {backend!r}",
+        hint="pass the run's --storage (local and Modal runs), or the server's URL as --backend http://host:port "
+        "(a SkyPilot cluster's server too)",
+    )
 
 
 def _from_storage(
@@ -228,7 +234,11 @@ def _write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
         raise UserError(f"cannot create export directory {out}: {exc}", hint="name a directory in a writable place") from exc
     try:
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the export from everyone else
-        fill(tmp)
+        try:
+            fill(tmp)
+        except OSError as exc:  # disk full, permissions: the partial files go with the temp directory
+            raise StorageError(f"export to {out} failed: {exc}; nothing was written there",
+                               hint="check the free space and permissions where OUT is, then run it again") from exc
         try:
             os.rename(tmp, out)
         except OSError as exc:  # something appeared at `out` meanwhile: it is kept, the export is not
