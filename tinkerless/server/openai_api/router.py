@@ -36,6 +36,8 @@ from tinkerless.server.openai_api.schemas import ChatCompletionRequest, Completi
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 1024  # a chat completion without max_tokens (capped by the context and the backend)
+GREEDY_BELOW = 1e-4  # temperatures under this sample greedily (see _temperature)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (capped the same way)
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
@@ -99,6 +101,8 @@ def openai_router(
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise OpenAIError(f"the request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+        except RecursionError:
+            raise OpenAIError("the request body is nested too deeply", code="invalid_json") from None
         if not isinstance(data, dict):
             raise OpenAIError("the request body must be a JSON object", code="invalid_json")
         return who, schema.model_validate(data)
@@ -113,7 +117,7 @@ def openai_router(
         return TokenSampling(
             prompt_ids=prompt_ids, n=body.n,
             max_tokens=max_tokens if max_tokens is not None else context_cap(len(prompt_ids)),
-            temperature=1.0 if body.temperature is None else float(body.temperature),
+            temperature=_temperature(body.temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),
             stop_strings=body.stop_strings, stop_token_ids=stop_ids, seed=body.seed, top_logprobs=top_logprobs,
         )
@@ -176,7 +180,9 @@ def openai_router(
                                   hint="send fewer prompts per request")
             prompts = [p if isinstance(p, list) else await asyncio.to_thread(_encode, tokenizer, p)
                        for p in body.prompts()]
-            requests = [sampling(body, p, body.max_tokens, body.logprobs or 0, stop_ids) for p in prompts]
+            limit = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+            requests = [sampling(body, p, min(limit, context_cap(len(p))) if body.max_tokens is None else limit,
+                                 body.logprobs or 0, stop_ids) for p in prompts]
             # Every prompt at once: the backend batches concurrent requests into one generation.
             results = await asyncio.gather(*(backend.sample(who, body.model, r) for r in requests))
             finished = [[finish(tokenizer, c, r.stop_strings, stop_ids) for c in choices]
@@ -190,6 +196,14 @@ def openai_router(
         return JSONResponse(reply.full())
 
     return router
+
+
+def _temperature(value: float | None) -> float:
+    """OpenAI's default is 1. Below GREEDY_BELOW, sampling is greedy: dividing logits by a temperature near zero
+    overflows them to inf (NaN probabilities), and the draw there is the argmax anyway."""
+    if value is None:
+        return 1.0
+    return 0.0 if value < GREEDY_BELOW else float(value)
 
 
 def _encode(tokenizer, text: str) -> list[int]:

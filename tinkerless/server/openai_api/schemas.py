@@ -84,7 +84,7 @@ Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
+    max_tokens: StrictInt | None = Field(None, ge=1)  # None: OpenAI's default of 16 (within the server's limit)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: StrictBool | None = False
     suffix: StrictStr | None = None
