@@ -161,7 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--adapter", help="a PEFT adapter directory instead of a run checkpoint")
     evaluate.add_argument("--storage", default=None, help="where the run lives (default: the config's storage)")
     evaluate.add_argument("--backend", default=None, help="e.g. http://host:port: a run hosted by that server (default: the config's backend)")
-    evaluate.add_argument("--model", default=None, help="base model (default: the config's model)")
+    evaluate.add_argument("--model", default=None, help="base model (default: the config's model); with --endpoint: the served model that the agent's model=\"policy\" calls go to")
     evaluate.add_argument("--episodes", type=int, default=32, help="episodes to play, one per task (default: %(default)s)")
     evaluate.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the config's)")
     evaluate.add_argument("--seed", type=int, default=12345, help="seed of the tasks and the sampling (default: %(default)s)")
@@ -169,6 +169,11 @@ def _parser() -> argparse.ArgumentParser:
         "--transcripts", metavar="FILE",
         help="write every episode (messages, per-turn rewards, token counts, status) to this JSON-lines file",
     )
+    # Agent functions (docs/agents.md): the same @tinkerless.agent file against any OpenAI-compatible server.
+    evaluate.add_argument("--endpoint", help="an agent config: the OpenAI-compatible base URL to run it against, "
+                          "e.g. http://127.0.0.1:8000/v1 (tinkerless serve, vLLM, a hosted API)")
+    evaluate.add_argument("--api-key", help="with --endpoint: the API key (default: $OPENAI_API_KEY, else $TINKERLESS_API_KEY)")
+    evaluate.add_argument("--concurrency", type=int, default=16, help="with --endpoint: agent copies at a time (default: %(default)s)")
 
     sub.add_parser(
         "config-reference", help="print every TrainConfig field with its default and meaning (Markdown)",
@@ -342,6 +347,10 @@ def _eval(args) -> int:
     from tinkerless.sdk.evaluate import evaluate
 
     config = load_config(args.file)
+    if args.endpoint is not None or config.agent is not None:  # an agent function: tinkerless.sdk.agent_eval
+        from tinkerless.sdk.agent_eval import agent_eval_command
+
+        return agent_eval_command(args, config)
     given = (("storage", args.storage), ("backend", args.backend), ("model", args.model), ("temperature", args.temperature))
     changes = {k: v for k, v in given if v}
     config = config.replace(**changes)
