@@ -1,0 +1,300 @@
+"""The OpenAI-compatible routes over any `CompletionBackend`: /v1/models, /v1/chat/completions, /v1/completions.
+
+    GET  /v1/models                 the models the caller may name
+    GET  /v1/models/{model}         one of them
+    POST /v1/chat/completions       messages (+ tools) through the model's chat template; `tool_calls` parsed
+    POST /v1/completions            raw text or token-id prompts
+
+Both POST routes answer JSON or, with `stream: true`, server-sent events (one chunk per token, then
+`data: [DONE]`). A request is validated and sampled before the first byte is sent, so every error,
+streaming or not, is an HTTP 4xx/5xx with the OpenAI error body
+`{"error": {"message", "type", "param", "code"}}`, never a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from typing import Any, AsyncIterator, Callable, Iterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from tinkerless.errors import ModelNotFoundError, ServerBusy, TinkerlessError
+from tinkerless.server.body import RequestTooLarge, read_body
+from tinkerless.server.openai_api.backend import CompletionBackend, OpenAIError, TokenSampling
+from tinkerless.server.openai_api.output import (
+    FinishedChoice, chat_logprobs, completion_logprobs, finish,
+)
+from tinkerless.server.openai_api.render import chat_format, check_tools, parse_tool_calls, render_chat
+from tinkerless.server.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 1024  # a chat completion without max_tokens (capped by the context and the backend)
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def error_body(exc: BaseException) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) for any exception; a bug is a logged 500 that names no internals."""
+    if isinstance(exc, OpenAIError):
+        status, kind, param, code = exc.status, exc.type, exc.param, exc.code
+    elif isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        message = f"{where + ': ' if where else ''}{first.get('msg', 'invalid value')}"
+        return 400, _error(message[:500], "invalid_request_error", where or None, "invalid_value")
+    elif isinstance(exc, ModelNotFoundError):
+        status, kind, param, code = 404, "invalid_request_error", "model", "model_not_found"
+    elif isinstance(exc, ServerBusy):
+        status, kind, param, code = 429, "rate_limit_error", None, "server_busy"
+    elif isinstance(exc, TinkerlessError) and exc.category == "user":
+        status, kind, param, code = 400, "invalid_request_error", None, type(exc).__name__
+    elif isinstance(exc, TinkerlessError):
+        status, kind, param, code = 500, "server_error", None, type(exc).__name__
+    else:
+        logger.error("unexpected error in an OpenAI route", exc_info=exc)
+        return 500, _error(f"internal error ({type(exc).__name__}); this is a server bug, see the server's log",
+                           "server_error", None, "internal_error")
+    message = exc.message if exc.hint is None else f"{exc.message} ({exc.hint})"
+    return status, _error(message, kind, param, code)
+
+
+def _error(message: str, kind: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> JSONResponse:
+    status, body = error_body(exc)
+    if status == 429 and headers is None:
+        headers = {"Retry-After": "1"}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def openai_router(
+    backend: CompletionBackend,
+    *,
+    caller: Callable[[Request], str | None],
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> APIRouter:
+    """The routes over `backend`. `caller(request)` names who is calling (a tenant, an episode);
+    None means the request carries no valid API key (401)."""
+    router = APIRouter()
+
+    async def who_and_body(request: Request, schema) -> tuple[str, Any]:
+        who = caller(request)
+        if who is None:
+            raise OpenAIError("missing or invalid API key", status=401, code="invalid_api_key",
+                              hint="pass api_key= to the OpenAI client (Authorization: Bearer <key>)")
+        try:
+            raw = await read_body(request, max_body_bytes)
+        except RequestTooLarge as exc:
+            raise OpenAIError(f"request body of {exc.size} bytes is over this server's limit of {exc.limit}",
+                              status=413, code="request_too_large") from None
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise OpenAIError(f"the request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise OpenAIError("the request body must be a JSON object", code="invalid_json")
+        return who, schema.model_validate(data)
+
+    def context_cap(prompt_length: int) -> int:
+        context = getattr(backend, "context_length", None)
+        return DEFAULT_MAX_TOKENS if context is None else max(1, min(DEFAULT_MAX_TOKENS, context - prompt_length))
+
+    def sampling(body, prompt_ids: list[int], max_tokens: int | None, top_logprobs: int, stop_ids: list[int]):
+        return TokenSampling(
+            prompt_ids=prompt_ids, n=body.n,
+            max_tokens=max_tokens if max_tokens is not None else context_cap(len(prompt_ids)),
+            temperature=1.0 if body.temperature is None else float(body.temperature),
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            stop_strings=body.stop_strings, stop_token_ids=stop_ids, seed=body.seed, top_logprobs=top_logprobs,
+        )
+
+    @router.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        try:
+            who = caller(request)
+            if who is None:
+                raise OpenAIError("missing or invalid API key", status=401, code="invalid_api_key")
+            names = await asyncio.to_thread(backend.models, who)
+        except Exception as exc:  # noqa: BLE001 - every failure answers an OpenAI error body
+            return error_response(exc)
+        return JSONResponse({"object": "list", "data": [_model_card(name) for name in names]})
+
+    @router.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request) -> Response:
+        try:
+            who = caller(request)
+            if who is None:
+                raise OpenAIError("missing or invalid API key", status=401, code="invalid_api_key")
+            names = await asyncio.to_thread(backend.models, who)
+            if model not in names:
+                from tinkerless.server.openai_api.backend import unknown_model
+
+                raise unknown_model(model, names)
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        return JSONResponse(_model_card(model))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        try:
+            who, body = await who_and_body(request, ChatCompletionRequest)
+            tokenizer = backend.tokenizer()
+            tools = check_tools(body.tools) if body.tool_choice != "none" else []
+            prompt_ids = await asyncio.to_thread(render_chat, tokenizer, body.messages, tools or None)
+            stop_ids = list(chat_format(tokenizer).eos_token_ids)
+            top = (body.top_logprobs or 0) if body.logprobs else 0
+            request_sampling = sampling(body, prompt_ids, body.token_limit, top, stop_ids)
+            choices = await backend.sample(who, body.model, request_sampling)
+            finished = [finish(tokenizer, c, request_sampling.stop_strings, stop_ids) for c in choices]
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        reply = _ChatReply(body, tokenizer, finished, len(prompt_ids), parse_tools=bool(tools))
+        if body.stream:
+            return _sse(reply.chunks())
+        return JSONResponse(reply.full())
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            who, body = await who_and_body(request, CompletionRequest)
+            tokenizer = backend.tokenizer()
+            stop_ids = list(chat_format(tokenizer).eos_token_ids)
+            prompts = [p if isinstance(p, list) else await asyncio.to_thread(_encode, tokenizer, p)
+                       for p in body.prompts()]
+            requests = [sampling(body, p, body.max_tokens, body.logprobs or 0, stop_ids) for p in prompts]
+            # Every prompt at once: the backend batches concurrent requests into one generation.
+            results = await asyncio.gather(*(backend.sample(who, body.model, r) for r in requests))
+            finished = [[finish(tokenizer, c, r.stop_strings, stop_ids) for c in choices]
+                        for r, choices in zip(requests, results)]
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        reply = _CompletionReply(body, tokenizer, [c for group in finished for c in group],
+                                 sum(len(p) * body.n for p in prompts))
+        if body.stream:
+            return _sse(reply.chunks())
+        return JSONResponse(reply.full())
+
+    return router
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if not ids:
+        raise OpenAIError("the prompt is empty (it encodes to no tokens)", param="prompt")
+    return ids
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tinkerless"}
+
+
+def _sse(events: Iterator[dict]) -> StreamingResponse:
+    async def stream() -> AsyncIterator[bytes]:
+        for event in events:
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _usage(prompt_tokens: int, finished: list[FinishedChoice]) -> dict:
+    completion = sum(f.completion_tokens for f in finished)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+class _ChatReply:
+    def __init__(self, body: ChatCompletionRequest, tokenizer, finished: list[FinishedChoice], prompt_tokens: int,
+                 *, parse_tools: bool):
+        self.body, self.tokenizer, self.finished = body, tokenizer, finished
+        self.id, self.created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        self.usage = _usage(prompt_tokens * body.n, finished)
+        self.parsed = [parse_tool_calls(f.text) if parse_tools else (f.text, []) for f in finished]
+
+    def _reason(self, i: int) -> str:
+        return "tool_calls" if self.parsed[i][1] else self.finished[i].finish_reason
+
+    def full(self) -> dict:
+        choices = []
+        for i, f in enumerate(self.finished):
+            content, calls = self.parsed[i]
+            message: dict = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({
+                "index": i, "message": message, "finish_reason": self._reason(i),
+                "logprobs": chat_logprobs(self.tokenizer, f) if self.body.logprobs else None,
+            })
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.body.model,
+                "system_fingerprint": None, "choices": choices, "usage": self.usage}
+
+    def _chunk(self, i: int, delta: dict, reason: str | None = None, logprobs: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
+                 "system_fingerprint": None,
+                 "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self) -> Iterator[dict]:
+        for i, f in enumerate(self.finished):
+            yield self._chunk(i, {"role": "assistant", "content": ""})
+            content, calls = self.parsed[i]
+            if calls:  # the reply's text around the calls, then each call whole
+                if content:
+                    yield self._chunk(i, {"content": content})
+                for j, call in enumerate(calls):
+                    yield self._chunk(i, {"tool_calls": [{"index": j, **call}]})
+            else:
+                for k, piece in enumerate(f.pieces):
+                    logprobs = chat_logprobs(self.tokenizer, f, k, k + 1) if self.body.logprobs else None
+                    if piece or logprobs:
+                        yield self._chunk(i, {"content": piece}, logprobs=logprobs)
+            yield self._chunk(i, {}, self._reason(i))
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
+                   "system_fingerprint": None, "choices": [], "usage": self.usage}
+
+
+class _CompletionReply:
+    def __init__(self, body: CompletionRequest, tokenizer, finished: list[FinishedChoice], prompt_tokens: int):
+        self.body, self.tokenizer, self.finished = body, tokenizer, finished
+        self.id, self.created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        self.usage = _usage(prompt_tokens, finished)
+
+    def _logprobs(self, f: FinishedChoice, start: int = 0, end: int | None = None, offset: int = 0) -> dict | None:
+        return completion_logprobs(self.tokenizer, f, start, end, offset) if self.body.logprobs is not None else None
+
+    def full(self) -> dict:
+        choices = [{"index": i, "text": f.text, "logprobs": self._logprobs(f), "finish_reason": f.finish_reason}
+                   for i, f in enumerate(self.finished)]
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.body.model,
+                "system_fingerprint": None, "choices": choices, "usage": self.usage}
+
+    def _chunk(self, i: int, text: str, reason: str | None = None, logprobs: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.body.model,
+                 "system_fingerprint": None,
+                 "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self) -> Iterator[dict]:
+        for i, f in enumerate(self.finished):
+            offset = 0
+            for k, piece in enumerate(f.pieces):
+                logprobs = self._logprobs(f, k, k + 1, offset)
+                if piece or logprobs:
+                    yield self._chunk(i, piece, logprobs=logprobs)
+                offset += len(piece)
+            yield self._chunk(i, "", f.finish_reason)
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            yield {"id": self.id, "object": "text_completion", "created": self.created, "model": self.body.model,
+                   "system_fingerprint": None, "choices": [], "usage": self.usage}

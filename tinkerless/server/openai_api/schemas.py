@@ -1,0 +1,112 @@
+"""Request bodies of the OpenAI routes, validated at the boundary (pydantic, strict types, no NaN).
+
+Fields this server cannot honour are refused with a 400 that names them, rather than silently ignored
+(a penalty or logit bias the caller relies on would change its results); fields that change nothing
+about sampling (`user`, `metadata`, `store`, `parallel_tool_calls`...) are accepted and ignored, so
+agent libraries that send them work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+_INT64 = 2**63
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Body):
+    model: StrictStr = Field(min_length=1, max_length=512)
+    n: StrictInt = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: StrictInt | None = Field(None, ge=-_INT64, lt=_INT64)
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported by this server; leave them 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server; leave it empty")
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)  # checked message by message by render.normalize_messages
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None  # checked by render.check_tools (a 400 naming the bad tool)
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_supported(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than {'type': 'text'} is not supported by this server")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: StrictBool | None = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _completion_supported(self):
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n (or be left out): this server returns every sample")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt is an empty list")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
