@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import math
 import secrets
 import threading
@@ -34,7 +35,7 @@ from tinkerless.errors import TinkerlessError
 from tinkerless.functions.engine import Engine
 from tinkerless.functions.recording import EpisodeRecorder, Sequence
 from tinkerless.sdk.decorators import agent_reward
-from tinkerless.server.openai_api.backend import OpenAIError, SampledChoice, TokenSampling, unknown_model
+from tinkerless.server.openai_api.backend import OpenAIError, SampledChoice, TokenSampling
 from tinkerless.wire.messages import Episode, EpisodeLimits, SamplingParams
 
 POLICY_MODEL = "policy"  # the model name agents ask for; in training it is always the policy being trained
@@ -85,7 +86,10 @@ class PolicyBackend:
             raise OpenAIError("this API key is not an episode of the running rollout", status=401, type="authentication_error",
                               code="invalid_api_key", hint="use the client the agent function was given")
         if model != POLICY_MODEL:
-            raise unknown_model(model, self.models(caller))
+            raise OpenAIError(f"the model {model[:200]!r} does not exist on a training rollout's endpoint", status=404,
+                              param="model", code="model_not_found",
+                              hint=f"in training an agent calls model={POLICY_MODEL!r} (the policy being trained); "
+                                   f"`tinkerless eval --model NAME` sends those calls to NAME")
         if request.n != 1:
             raise OpenAIError(f"n={request.n}: a training rollout samples one choice per call", param="n",
                               hint="leave n at 1; group_size runs that many copies of the agent per task")
@@ -127,11 +131,11 @@ def cut_at_stop_strings(tokenizer: Any, tokens: list[int], logprobs: list[float]
 def same_reply_checker(tokenizer: Any) -> Callable[[list[int], list[int], tuple[str, ...]], bool]:
     """Whether a reply re-rendered into a later prompt says what the sampled reply said: the same text and
     tool calls (parsed as the router parses them), up to whitespace around them and a stop string."""
-    from tinkerless.server.openai_api.rendering import parse_tool_calls
+    from tinkerless.server.openai_api.render import parse_tool_calls
 
     def meaning(text: str) -> tuple[str, list]:
         content, calls = parse_tool_calls(text)
-        return (content or "").strip(), [(c["function"]["name"], c["function"]["arguments"]) for c in calls or []]
+        return (content or "").strip(), [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
     def same(rendered: list[int], sampled: list[int], stops: tuple[str, ...]) -> bool:
         text = tokenizer.decode(sampled, skip_special_tokens=True)
@@ -202,9 +206,10 @@ def endpoint_app(backend: Any):
     return app
 
 
-def bearer_token(request: Any) -> str:
+def bearer_token(request: Any) -> str | None:
+    """The API key of a request (an episode id here); None without one (the router answers 401)."""
     header = request.headers.get("authorization", "")
-    return header[7:].strip() if header[:7].lower() == "bearer " else ""
+    return (header[7:].strip() or None) if header[:7].lower() == "bearer " else None
 
 
 async def _play(agent: Callable, copies: list[_Copy], backend: PolicyBackend, timeout: float, transport: str) -> None:
