@@ -8,6 +8,8 @@
     GET  /healthz            {"status": "ok", "model": ..., "policies": {name: version}}
     GET  /metrics            Prometheus text: queue depth, calls in flight, requests, CPU/GPU
     /api/v1/...              the Tinker API, for the official `tinker` SDK (see `tinker_api`)
+    /v1/models, /v1/chat/completions, /v1/completions
+                             the OpenAI API: base model and trained adapters (see `openai_api`)
 
 Error bodies are still msgpack envelopes so `tinkerless.sdk.backends.call` raises the
 same typed error over HTTP as in-process. One model lives in the process, so calls run
@@ -209,6 +211,13 @@ def create_app(
         store = ObjectStore(storage or tempfile.mkdtemp(prefix="tinkerless-serve-"))
         app.state.runs = RunService(store, worker, fence=scheduler)
         app.include_router(make_router(app.state.runs, scheduler, tenant_of, max_request_bytes))
+
+        from tinkerless.server.openai_api import openai_router
+        from tinkerless.server.openai_api.serve_backend import ServeBackend
+
+        # The OpenAI API (docs/openai.md): the same keys, tenants, scheduler and limits as the routes above.
+        app.state.openai = ServeBackend(worker, scheduler, store, limits=limits)
+        app.include_router(openai_router(app.state.openai, caller=tenant_of, max_body_bytes=max_request_bytes))
 
     if tinker_api and hasattr(worker, "model_name"):
         from tinkerless.functions.models import resolve_model

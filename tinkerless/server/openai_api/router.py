@@ -104,8 +104,10 @@ def openai_router(
         return who, schema.model_validate(data)
 
     def context_cap(prompt_length: int) -> int:
+        """max_tokens when the request gives none: the backend's default, within what the context leaves."""
+        default = getattr(backend, "default_max_tokens", DEFAULT_MAX_TOKENS)
         context = getattr(backend, "context_length", None)
-        return DEFAULT_MAX_TOKENS if context is None else max(1, min(DEFAULT_MAX_TOKENS, context - prompt_length))
+        return default if context is None else max(1, min(default, context - prompt_length))
 
     def sampling(body, prompt_ids: list[int], max_tokens: int | None, top_logprobs: int, stop_ids: list[int]):
         return TokenSampling(
@@ -167,6 +169,11 @@ def openai_router(
             who, body = await who_and_body(request, CompletionRequest)
             tokenizer = backend.tokenizer()
             stop_ids = list(chat_format(tokenizer).eos_token_ids)
+            max_choices = getattr(backend, "max_choices", None)
+            if max_choices is not None and len(body.prompts()) * body.n > max_choices:
+                raise OpenAIError(f"{len(body.prompts())} prompts x n={body.n} is over this server's limit of "
+                                  f"{max_choices} choices per request", param="n", code="limit_exceeded",
+                                  hint="send fewer prompts per request")
             prompts = [p if isinstance(p, list) else await asyncio.to_thread(_encode, tokenizer, p)
                        for p in body.prompts()]
             requests = [sampling(body, p, body.max_tokens, body.logprobs or 0, stop_ids) for p in prompts]

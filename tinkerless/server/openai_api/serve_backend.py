@@ -1,0 +1,160 @@
+"""The `CompletionBackend` of `tinkerless serve`: the base model, the caller's trained adapters and live policies.
+
+`model` names, for a caller (its API key's tenant):
+  * the base model: its Hub id or any alias (`smollm2`, the path the server was started with);
+  * `<run_id>@<step>`, `<run_id>@latest` (`<run_id>/<agent>@...` for a multi-agent run): a checkpoint of one of
+    the caller's runs on this server, loaded on first use into an LRU cache of adapters (`adapters.py`);
+  * the name of one of the caller's live policies on the worker (as `/v1/call` names it, e.g. "default"):
+    its current weights, with no copy, so a sample right after an `update` uses the new adapter.
+
+Every request is one job on the server's `Scheduler` like any other sample call (tenants take turns,
+long generations yield between slices, the queue bounds apply) and is checked against the server's
+`ServingLimits` first. Requests that run at the same time decode in one batch (`functions/batcher.py`),
+whatever adapter each names: peft's mixed-adapter forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+from tinkerless.errors import ServerBusy
+from tinkerless.functions.models import model_aliases, public_model_id
+from tinkerless.server.limits import ServingLimits
+from tinkerless.server.openai_api.adapters import SLOT_PREFIX, AdapterCache, AdapterNames, AdapterRef, NotFound
+from tinkerless.server.openai_api.backend import OpenAIError, SampledChoice, TokenSampling, unknown_model
+from tinkerless.server.scheduler import QueueFull, Scheduler
+from tinkerless.server.tenancy import tenant_prefix
+from tinkerless.storage import ObjectStore
+from tinkerless.wire.messages import BASE_POLICY, SamplingParams
+
+
+class ServeBackend:
+    def __init__(
+        self, worker, scheduler: Scheduler, store: ObjectStore, *, limits: ServingLimits | None = None,
+        max_adapters: int = 8,
+    ):
+        self.worker = worker
+        self.scheduler = scheduler
+        self.limits = limits or ServingLimits()
+        self.names = AdapterNames(store)
+        self.adapters = AdapterCache(worker, max_adapters)
+        self.base_model = public_model_id(worker.model_name)
+        self.base_names = model_aliases(worker.model_name)
+        config = getattr(getattr(worker, "base_model", None), "config", None)
+        self.context_length: int | None = getattr(config, "max_position_embeddings", None)
+        self.max_choices = self.limits.max_samples  # choices one request may ask for, all prompts together
+        self.default_max_tokens = min(1024, self.limits.max_tokens)  # a request without max_tokens
+
+    def tokenizer(self) -> Any:
+        return self.worker.tokenizer
+
+    # -- names ---------------------------------------------------------------------------
+
+    def _live_policy(self, caller: str, model: str) -> str | None:
+        """The caller's own live policy named `model` on the worker (tenant-scoped, as /v1/call scopes it)."""
+        if model == BASE_POLICY or model.startswith(SLOT_PREFIX):
+            return None
+        name = tenant_prefix(caller) + model if caller else model
+        return name if name in self.worker.policies else None
+
+    def _live_policies(self, caller: str) -> list[str]:
+        prefix = tenant_prefix(caller) if caller else ""
+        names = [p[len(prefix):] for p in list(self.worker.policies) if p.startswith(prefix)]
+        hidden = ("t", SLOT_PREFIX) if not caller else ()  # other tenants' and the cache's slots
+        return sorted(n for n in names if not (hidden and (n.startswith(SLOT_PREFIX) or _is_scoped(n))))
+
+    def models(self, caller: str) -> list[str]:
+        return [self.base_model, *self._live_policies(caller), *self.names.list(caller)]
+
+    def _resolve(self, caller: str, model: str) -> tuple[str, AdapterRef | str]:
+        """("base", BASE_POLICY) | ("live", worker policy) | ("adapter", AdapterRef) (storage reads: off the loop)."""
+        if model in self.base_names:
+            return "base", BASE_POLICY
+        live = self._live_policy(caller, model)
+        if live is not None:
+            return "live", live
+        if AdapterNames.looks_like_adapter(model):
+            try:
+                return "adapter", self.names.resolve(caller, model)
+            except NotFound:
+                pass
+        raise unknown_model(model, self.models(caller))
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    def _check(self, request: TokenSampling) -> None:
+        prompt = len(request.prompt_ids)
+        if self.context_length is not None and prompt + request.max_tokens > self.context_length:
+            if prompt >= self.context_length:
+                message = f"the prompt is {prompt} tokens, longer than the model's context of {self.context_length}"
+            else:
+                message = (f"the prompt ({prompt} tokens) plus max_tokens ({request.max_tokens}) is over the "
+                           f"model's context of {self.context_length} tokens")
+            raise OpenAIError(message, param="messages", code="context_length_exceeded",
+                              hint="shorten the prompt or lower max_tokens")
+        vocab = self.worker.vocab_size
+        bad = next((t for t in request.prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(f"prompt token id {bad} is outside this model's vocabulary [0, {vocab})", param="prompt",
+                              code="invalid_token_id")
+        try:
+            self.limits.check_sample(samples=request.n, max_tokens=request.max_tokens, prompt_tokens=prompt)
+        except Exception as exc:  # LimitExceeded: say which field, OpenAI-style
+            param = "n" if "sequences" in exc.message else "max_tokens" if "max_tokens" in exc.message else "messages"
+            raise OpenAIError(exc.message, param=param, code="limit_exceeded", hint=exc.hint) from None
+        if request.top_logprobs < 0 or request.n < 1 or request.max_tokens < 1:
+            raise OpenAIError("n and max_tokens must be at least 1 and top_logprobs at least 0")
+
+    async def sample(self, caller: str, model: str, request: TokenSampling) -> list[SampledChoice]:
+        self._check(request)
+        kind, target = await asyncio.to_thread(self._resolve, caller, model)
+        seed = secrets.randbelow(2**31) if request.seed is None else request.seed % (1 << 63)
+        sampling = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
+                                  top_p=request.top_p, top_k=0, stop_token_ids=list(request.stop_token_ids))
+        files = None
+        if kind == "adapter" and not self.adapters.cached(target):  # read off the scheduler thread
+            files = await asyncio.to_thread(self.names.load_files, target)
+
+        def run() -> list[SampledChoice]:
+            slot = self.adapters.acquire(target, lambda _: files or self.names.load_files(target)) \
+                if kind == "adapter" else target
+            try:
+                if kind == "live" and slot not in self.worker.policies:  # deleted while queued
+                    raise unknown_model(model, [])
+                generations = self.worker.engine.generate(
+                    [list(request.prompt_ids)] * request.n, sampling, policy=slot, seed=seed)
+                top = [self._top_logprobs(slot, request.prompt_ids, g.tokens, request.top_logprobs)
+                       for g in generations] if request.top_logprobs else [None] * len(generations)
+            finally:
+                if kind == "adapter":
+                    self.adapters.release(slot)
+            return [SampledChoice(g.tokens, g.logprobs, t, g.stop_reason == "stop") for g, t in zip(generations, top)]
+
+        try:
+            future = self.scheduler.submit(run, tenant=caller)
+        except QueueFull as full:
+            raise ServerBusy(str(full), hint=f"retry after {full.retry_after:.0f}s") from None
+        # Shielded: a client that hangs up must not cancel a job that may be loading an adapter.
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    def _top_logprobs(self, policy: str, prompt: list[int], tokens: list[int], k: int) -> list[list[tuple[int, float]]]:
+        """The k most likely tokens at each sampled position, by the model's own log-softmax (temperature 1, the
+        distribution the sampled tokens' logprobs come from), from one forward over prompt + completion."""
+        import torch
+
+        if not tokens:
+            return []
+        worker = self.worker
+        with torch.no_grad(), worker._activate(policy):  # the worker's adapter switch, as its forward() uses it
+            device = next(worker.model.parameters()).device
+            ids = torch.tensor([list(prompt) + list(tokens[:-1])], device=device)
+            logits = worker.model(input_ids=ids).logits[0, len(prompt) - 1:].float()
+        top = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+        return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+
+
+def _is_scoped(name: str) -> bool:
+    """A tenant-scoped worker name ("t" + 12 hex + "_"): another tenant's, hidden from a key-less caller."""
+    return len(name) > 14 and name[0] == "t" and name[13] == "_" and all(c in "0123456789abcdef" for c in name[1:13])
