@@ -201,10 +201,23 @@ def test_a_multi_tenant_server_refuses_agent_rollouts_with_a_user_error(worker):
     assert isinstance(reply, ErrorReply) and reply.category == "user" and "multi-tenant" in reply.error
 
 
-def test_train_an_agent_end_to_end(tiny_model, tmp_path):
+@tinkerless.agent
+async def summarizing_varied(client, task):
+    """Two sequences per episode (a rewritten context) and rewards that differ within a group."""
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "summary: hi"}])
+    text = r.choices[0].message.content or ""
+    return tinkerless.AgentResult(reward=float(sum(map(ord, text)) % 7), metrics={"calls": 2})
+
+
+def test_train_an_agent_end_to_end_with_every_sequence_of_an_episode_trained(tiny_model, tmp_path):
     result = tinkerless.train(
-        model=tiny_model, agent=summarizing, tasks=[{"i": 0}, {"i": 1}], steps=2, batch_size=2, group_size=2,
+        model=tiny_model, agent=summarizing_varied, tasks=[{"i": 0}, {"i": 1}], steps=2, batch_size=2, group_size=3,
         max_tokens=4, storage=str(tmp_path), progress=False, learning_rate=1e-3,
     )
     assert [m["step"] for m in result.metrics] == [0, 1]
     assert all(m["episodes_error"] == 0 and m["agent/calls"] == 2.0 for m in result.metrics)
+    # Both sequences of each episode with a non-zero advantage are trained: always an even count.
+    trained = [m["trained_sequences"] for m in result.metrics]
+    assert all(t % 2 == 0 for t in trained) and sum(trained) > 0, trained
+    assert result.metrics[-1]["policy_version"] >= 1
