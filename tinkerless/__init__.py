@@ -9,6 +9,7 @@
 
 Public API:
 - `env`, `reward`: decorators for user environments and reward functions;
+- `agent`, `AgentResult`: an async OpenAI-client agent function, trained as it is (docs/agents.md);
 - `StepResult`: what an env's `step()` returns;
 - `train`, `TrainConfig`, `RunResult`: run RL end to end;
 - `sft`, `SFTConfig`: supervised fine-tuning on chat data (docs/sft.md);
@@ -28,7 +29,7 @@ from typing import Any
 
 from tinkerless import errors
 from tinkerless.envs.base import StepResult
-from tinkerless.sdk.decorators import env, reward
+from tinkerless.sdk.decorators import AgentResult, agent, env, reward
 
 __version__ = "0.1.0"
 
@@ -63,4 +64,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tinkerless' has no attribute {name!r}")
 
 
-__all__ = ["StepResult", "env", "errors", "reward", *_LAZY]
+__all__ = ["AgentResult", "StepResult", "agent", "env", "errors", "reward", *_LAZY]

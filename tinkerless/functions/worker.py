@@ -326,6 +326,8 @@ class Worker:
         started = time.perf_counter()
         if request.policy != BASE_POLICY:
             self._policy(request.policy)
+        if request.agent is not None:
+            return self._agent_rollout(request, started)
         episodes = run_episodes(
             self.engine,
             self.chat,
@@ -340,6 +342,26 @@ class Worker:
             system_prompt=request.system_prompt,
         )
         sampled = float(sum(e.mask.sum() for e in episodes))
+        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})
+
+    def _agent_rollout(self, request: RolloutRequest, started: float) -> RolloutResult:
+        """Copies of an @tinkerless.agent function against this worker's OpenAI endpoint (agent_functions.py)."""
+        from tinkerless.functions.agent_functions import run_agent_episodes
+
+        if self.user_code_hosts is not None:
+            raise UserError(
+                "agent functions do not run on a shared multi-tenant server yet: its tenants' code runs in a "
+                "sandbox with no way to reach the model's endpoint",
+                hint="train the agent locally (backend='local') or on a server of your own (tinkerless serve --single-user)",
+            )
+        if request.env is not None or request.reward is not None:
+            raise UserError("a rollout takes an agent or an env/reward, not both", hint="send only `agent`")
+        episodes = run_agent_episodes(
+            self.engine, self.tokenizer, agent=self._load_code(request.agent), policy=request.policy,
+            tasks=request.tasks, group_size=request.group_size, sampling=request.sampling, limits=request.limits,
+            seed=request.seed, timeout=request.agent_timeout, transport=request.agent_transport,
+        )
+        sampled = float(sum(e.mask.sum() + sum(s.mask.sum() for s in e.extra_sequences) for e in episodes))
         return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})
 
     def _rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:

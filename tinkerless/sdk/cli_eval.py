@@ -42,6 +42,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="write every episode (messages, rewards, token counts, status, passed) to this JSON-lines file",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    # Agent functions (docs/agents.md): the same @tinkerless.agent file against any OpenAI-compatible server.
+    parser.add_argument("--endpoint", help="an agent config: the OpenAI-compatible base URL to run it against, "
+                        "e.g. http://127.0.0.1:8765/v1 (tinkerless serve, vLLM, a hosted API); --model names the served model")
+    parser.add_argument("--api-key", help="with --endpoint: the API key (default: $OPENAI_API_KEY, else $TINKERLESS_API_KEY)")
+    parser.add_argument("--concurrency", type=int, default=16, help="with --endpoint: agent copies at a time (default: %(default)s)")
     return parser
 
 
@@ -63,6 +68,11 @@ def run(args) -> int:
     if args.step is not None and not args.run_id:
         raise ConfigError("--step goes with --run-id", hint="or name the checkpoint as --checkpoint RUN_ID@STEP")
     config = load_config(args.file)
+    if args.endpoint is not None or config.agent is not None:  # an agent function: tinkerless.sdk.agent_eval
+        from tinkerless.sdk.agent_eval import agent_eval_command
+
+        args.episodes = args.episodes or args.num_tasks or 32
+        return agent_eval_command(args, config)
     given = (("storage", args.storage), ("backend", args.backend), ("model", args.model), ("temperature", args.temperature))
     config = config.replace(**{k: v for k, v in given if v is not None})
     report = evaluate(

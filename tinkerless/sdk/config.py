@@ -43,6 +43,9 @@ class TrainConfig:
     reward: Callable | None = None
     tasks: Any = None  # list of dicts | JSONL path | generator(rng) -> dict
     system_prompt: str | None = None
+    agent: Callable | None = None  # an @tinkerless.agent function (docs/agents.md): runs instead of env/reward
+    agent_timeout: float = 300.0  # seconds one agent copy may run; a slower one is dropped like a failing env
+    agent_transport: str = "asgi"  # how agents reach the worker's OpenAI endpoint: asgi (in-process) | http (loopback)
     agents: Any = None  # multi-agent envs: role -> policy name | Frozen(...) | opponent fn, or a list of such seatings
     protocol_timeout: float = 600.0  # seconds before a stuck multi-agent protocol or barrier is an error
     name: str = "run"
@@ -113,9 +116,12 @@ class TrainConfig:
                 f"transcripts_per_step must be a whole number >= 0, got {self.transcripts_per_step!r}",
                 hint="e.g. 4 episodes per step into runs/<id>/episodes.jsonl, or 0 for none",
             )
-        if self.env is None and self.reward is None:
+        if self.agent is not None:
+            self._validate_agent()
+        elif self.env is None and self.reward is None:
             raise ConfigError(
-                "a run needs an env, a reward, or both", hint="pass env=MyEnv and/or reward=my_reward"
+                "a run needs an env, a reward, or both (or an agent)",
+                hint="pass env=MyEnv and/or reward=my_reward, or agent=my_agent (an @tinkerless.agent function)",
             )
         if self.env is not None and is_multi_agent(self.env):
             if self.agents is None:
@@ -155,6 +161,23 @@ class TrainConfig:
         if self.env is not None and is_multi_agent(self.env):
             raise ConfigError("eval_every is for single-agent runs", hint="a multi-agent run's metrics have win rates per policy")
 
+    def _validate_agent(self) -> None:
+        if self.env is not None or self.reward is not None:
+            raise ConfigError(
+                "agent= replaces env= and reward=: the agent function plays the episode and returns its reward",
+                hint="pass only agent=my_agent (or drop agent= to train an env/reward)",
+            )
+        if not getattr(self.agent, "__tinkerless_agent__", False):
+            from tinkerless.sdk.decorators import agent
+
+            agent(self.agent)  # the same checks (an async function of (client, task)) for an undecorated one
+        timeout = self.agent_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+            raise ConfigError(f"agent_timeout must be a number of seconds in (0, 86400], got {timeout!r}")
+        if self.agent_transport not in ("asgi", "http"):
+            raise ConfigError(f"agent_transport must be 'asgi' or 'http', got {self.agent_transport!r}",
+                              hint="asgi: in-process (the default); http: a loopback HTTP server on the worker")
+
     def loss_config(self) -> LossConfig:
         normalization = self.normalization or ALGORITHMS[self.algo][1]
         constant = float(self.max_tokens * self.turn_limit() * self.batch_size * self.group_size)
@@ -172,7 +195,8 @@ class TrainConfig:
         """max_turns as the episodes use it: the explicit value, or the default for this kind of run."""
         if self.max_turns is not None:
             return self.max_turns
-        return DEFAULT_ENV_MAX_TURNS if self.env is not None else DEFAULT_SINGLE_TURN_MAX_TURNS
+        multi_turn = self.env is not None or self.agent is not None
+        return DEFAULT_ENV_MAX_TURNS if multi_turn else DEFAULT_SINGLE_TURN_MAX_TURNS
 
     def advantage_config(self) -> AdvantageConfig:
         return AdvantageConfig(estimator=ALGORITHMS[self.algo][0])
@@ -194,7 +218,7 @@ class TrainConfig:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("env", "reward", "tasks", "eval_tasks") and value is not None and not isinstance(value, (str, int, float)):
+            if f.name in ("env", "reward", "agent", "tasks", "eval_tasks") and value is not None and not isinstance(value, (str, int, float)):
                 value = getattr(value, "__qualname__", type(value).__name__)
             if f.name == "agents" and value is not None:
                 value = repr(value)

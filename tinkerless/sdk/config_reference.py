@@ -56,9 +56,10 @@ FIELD_DOCS: dict[str, str] = {
     "temperature": "Sampling temperature.",
     "top_p": "Nucleus-sampling probability mass (1.0: off).",
     "max_turns": "Most model turns per episode; an env episode still going after them ends as `truncated`. "
-    "None: 16 for an env run, 1 for a single-turn reward run.",
+    "None: 16 for an env run, 1 for a single-turn reward run. In an agent run: the most completion calls one "
+    "agent copy may make (None: 16); a call past them is answered with a 400.",
     "max_episode_tokens": "Most tokens per episode (prompt, turns and observations); an episode that would "
-    "exceed it ends as `truncated`.",
+    "exceed it ends as `truncated`. In an agent run: the longest prompt + completion one call may use.",
     "seed": "Seed of task order, sampling and LoRA init: the same seed gives the same run.",
     "backend": "Where the model work runs: `local` (this machine), `modal`, `sky` / `sky:<cluster>` "
     "(SkyPilot), or `http://host:port` (a `tinkerless serve` server).",

@@ -106,6 +106,7 @@ class _Run:
         self.reward_code = (
             pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
         )
+        self.agent_code = pack_code(config.agent, name=getattr(config.agent, "__qualname__", None)) if config.agent else None
         self.tasks = TaskSource(config.tasks, seed=config.seed)
         if config.env is not None:
             check_reset_fields(config.env, self.tasks, count=config.batch_size)
@@ -332,6 +333,7 @@ class _Run:
             record["warning"] = truncation.warning(record, config)
         if self.multi_agent:
             record.update(agent_metrics(episodes, self.policies))
+        record.update(agent_result_metrics(episodes))
         limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
         for episode in sample_episodes(episodes, config.transcripts_per_step):
             task = tasks[episode.task_index] if 0 <= episode.task_index < len(tasks) else None
@@ -350,6 +352,9 @@ class _Run:
             env=self.env_code,
             reward=self.reward_code,
             system_prompt=config.system_prompt,
+            agent=self.agent_code,
+            agent_timeout=config.agent_timeout,
+            agent_transport=config.agent_transport,
         )
         episodes = self.clients["default"].rollout(request).episodes
         self.coordinator.submit_rollout(self.step, "default")
@@ -429,16 +434,18 @@ class _Run:
         advantages = group_advantages([e.reward for e in episodes], groups, self.config.advantage_config())
         data = []
         for episode, advantage in zip(episodes, advantages):
-            if advantage == 0.0 or episode.mask.sum() == 0:
-                continue  # contributes no gradient
-            data.append(
-                Datum(
-                    tokens=episode.tokens,
-                    mask=episode.mask,
-                    advantages=(episode.mask * advantage).astype(np.float32),
-                    sampler_logprobs=episode.sampler_logprobs,
+            # An agent that rewrote its context has several sequences: each is trained with the episode's advantage.
+            for sequence in [episode, *episode.extra_sequences]:
+                if advantage == 0.0 or sequence.mask.sum() == 0:
+                    continue  # contributes no gradient
+                data.append(
+                    Datum(
+                        tokens=sequence.tokens,
+                        mask=sequence.mask,
+                        advantages=(sequence.mask * advantage).astype(np.float32),
+                        sampler_logprobs=sequence.sampler_logprobs,
+                    )
                 )
-            )
         return data
 
     def _say(self, message: str) -> None:
@@ -453,6 +460,16 @@ def _final_report(result: RunResult) -> str:
         f"  checkpoint: step-{result.last_checkpoint_step} (resume with --resume --run-id {result.run_id})"
         + (f"\n  compute: {format_usage(result.usage)}" if result.usage else "")
     )
+
+
+def agent_result_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """The step means of the metrics agents returned in `AgentResult.metrics`, as `agent/<name>` columns."""
+    values: dict[str, list[float]] = {}
+    for episode in episodes:
+        if episode.status != "error":
+            for name, value in (episode.info.get("agent_metrics") or {}).items():
+                values.setdefault(name, []).append(float(value))
+    return {f"agent/{name}": mean(column) for name, column in values.items()}
 
 
 def _policy_prefix(name: str) -> str:

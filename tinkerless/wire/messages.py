@@ -78,6 +78,18 @@ class RolloutRequest:
     env: CodeBlob | None = None
     reward: CodeBlob | None = None
     system_prompt: str | None = None
+    agent: CodeBlob | None = None  # an @tinkerless.agent function: runs instead of the env/reward loop
+    agent_timeout: float = 300.0  # seconds one agent copy may run before it is dropped as an error
+    agent_transport: str = "asgi"  # asgi: in-process transport to the endpoint | http: loopback HTTP
+
+
+@dataclass
+class TrainingSequence:
+    """One more trained token sequence of an episode (see `Episode.extra_sequences`)."""
+
+    tokens: np.ndarray  # int32 [N]
+    mask: np.ndarray  # float32 [N]: 1 on sampled tokens
+    sampler_logprobs: np.ndarray  # float32 [N]: 0 where mask is 0
 
 
 @dataclass
@@ -95,6 +107,9 @@ class Episode:
     traceback: str | None = None
     transcript: list[dict] = field(default_factory=list)
     info: dict = field(default_factory=dict)
+    # An agent that rewrote its context: its later calls are sequences of their own, trained with this
+    # episode's advantage (the first sequence is tokens/mask/sampler_logprobs above).
+    extra_sequences: list[TrainingSequence] = field(default_factory=list)
 
 
 @dataclass

@@ -202,6 +202,11 @@ def _json(value: Any, path: str) -> None:
     _check_plain(value, path, 0)
 
 
+def _agent_transport(value: Any, path: str) -> None:
+    if value not in ("asgi", "http"):
+        _fail(path, f"is {str(value)[:40]!r}, not 'asgi' or 'http'")
+
+
 def _instance_of(cls: type) -> Callable[[Any, str], None]:
     def rule(value: Any, path: str) -> None:
         if not isinstance(value, cls):
@@ -231,7 +236,8 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
         m.EpisodeLimits: {"max_turns": count, "max_episode_tokens": between(1, MAX_TOKENS)},
         m.CreatePolicyRequest: {"policy": trainable_policy},
         m.ResetPolicyRequest: {"policy": trainable_policy},
-        m.RolloutRequest: {"policy": policy_name, "group_size": count, "seed": seed, "tasks": _json},
+        m.RolloutRequest: {"policy": policy_name, "group_size": count, "seed": seed, "tasks": _json,
+                           "agent_timeout": between(0, 86400, low_open=True), "agent_transport": _agent_transport},
         m.MultiAgentRolloutRequest: {"group_size": count, "seed": seed, "tasks": _json,
                                      "protocol_timeout": between(0, 86400, low_open=True), "seats": _non_empty},
         m.Seat: {"policy": policy_name},
