@@ -208,3 +208,25 @@ def test_eval_through_a_server_plays_what_a_local_eval_plays(tiny_model, worker,
         np.testing.assert_array_equal(ours.tokens, theirs.tokens)
         assert ours.reward == theirs.reward
     assert local.pass_at == remote.pass_at
+
+
+def test_mistakes_are_refused_before_the_model_loads(run, tmp_path, monkeypatch):
+    from tinkerless.sdk import evaluate as evaluate_module
+
+    config, _, _ = run
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the mistake was found")
+
+    monkeypatch.setattr(evaluate_module, "make_backend", no_model)
+    (tmp_path / "not-an-adapter").mkdir()
+    cases = [
+        (dict(checkpoint="evv@1"), UserError), (dict(checkpoint="ev@7"), StorageNotFound),
+        (dict(checkpoint="ev@1", samples=0), ConfigError), (dict(adapter=str(tmp_path / "not-an-adapter")), UserError),
+        (dict(transcripts=str(tmp_path)), UserError),
+    ]
+    for kwargs, error in cases:
+        with pytest.raises(error):
+            evaluate(config, **kwargs)
+    with pytest.raises(UserError, match="was trained on base model"):
+        evaluate(config.replace(model=build_tiny_model(tmp_path / "other", seed=2)), checkpoint="ev@1")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tinkerless.envs.base import is_multi_agent
-from tinkerless.errors import ConfigError, DatasetError, UserError
+from tinkerless.errors import ConfigError, DatasetError, StorageNotFound, UserError
 from tinkerless.sdk.backends import Backend, make_backend
 from tinkerless.sdk.checkpoint_ref import CheckpointRef, check_base_model, find_run, parse_checkpoint
 from tinkerless.sdk.client import TrainingClient
@@ -233,21 +233,23 @@ def evaluate(
     if transcripts is not None:  # a bad path fails now, not after every episode was played
         _check_writable(Path(transcripts))
     chosen = choose_tasks(config, tasks, num_tasks)
+    # What can be checked without the model is checked before it loads: the adapter's files, the run.
+    files = adapter_files(adapter) if adapter is not None else None
+    if ref is not None and not ref.is_base and config.backend in ("local", "modal"):
+        _check_run_in_storage(config, ref)
     threads = {"threads": config.threads} if config.backend == "local" and config.threads else {}
     backend = make_backend(config.backend, config.model, engine=config.engine, **threads)
     try:
         policy, loaded = BASE_POLICY, None
-        if adapter is not None:
-            TrainingClient(backend, "default", create=False).load_state(
-                PolicyState("default", adapter_files(adapter)), include_optimizer=False
-            )
+        if files is not None:
+            TrainingClient(backend, "default", create=False).load_state(PolicyState("default", files), include_optimizer=False)
             policy = "default"
         elif ref is not None and not ref.is_base:
             loaded = load_checkpoint(backend, config, ref.run_id, ref.step)
             policy = "default"
         client = TrainingClient(backend, policy, create=False)
         report = play(client, config, chosen, samples=samples, seed=seed, policy=policy, rule=rule,
-                              source=_source(config, ref, adapter))
+                      source=_source(config, ref, adapter))
     finally:
         backend.close()
     report.step = loaded
@@ -273,6 +275,22 @@ def _which_checkpoint(checkpoint, run_id: str | None, step: int | None, adapter:
     if run_id is None:
         return None
     return parse_checkpoint(f"{run_id}@{'latest' if step is None else step}")  # the same checks as --checkpoint
+
+
+def _check_run_in_storage(config: TrainConfig, ref: CheckpointRef) -> None:
+    """The run exists in `storage`, trained `config.model`, and has the step asked for."""
+    from tinkerless.coordinator import checkpoint_prefix
+    from tinkerless.sdk.run_host import StorageRunHost
+    from tinkerless.storage import CheckpointStore, ObjectStore
+
+    host = StorageRunHost(ObjectStore(config.storage, **(config.storage_options or {})), backend=None)
+    check_base_model(find_run(host, ref.run_id), config.model, f"run {ref.run_id!r}")
+    steps = CheckpointStore(host.store, checkpoint_prefix(ref.run_id)).steps()
+    if ref.step is not None and ref.step not in steps:
+        raise StorageNotFound(
+            f"no checkpoint for step {ref.step} of run {ref.run_id!r} in {host.where}; available steps: {steps}",
+            hint=f"pick one of them, e.g. --checkpoint {ref.run_id}@{steps[-1]}" if steps else "this run has no checkpoint yet",
+        )
 
 
 def _source(config: TrainConfig, ref: CheckpointRef | None, adapter: str | None) -> str:
