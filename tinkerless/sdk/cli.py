@@ -85,6 +85,7 @@ _OVERRIDES = {
     "engine": str,
     "transcripts_per_step": int,
     "threads": int,
+    "eval_every": int,
 }
 
 _EPILOG = """\
