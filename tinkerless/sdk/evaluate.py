@@ -28,9 +28,13 @@ from tinkerless.sdk.run_host import run_host_for
 from tinkerless.sdk.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.transcripts import episode_record, write_transcripts
 from tinkerless.wire import pack_code
+from tinkerless.wire.validate import MAX_SEED
 from tinkerless.wire.messages import BASE_POLICY, Episode, EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
 from tinkerless.wire.runs import CheckpointPolicy
 
+# Episodes per rollout call: a `tinkerless serve` server refuses more by default (ServingLimits.max_rollouts),
+# and a training step's rollout is held to the same limit. A larger eval is played in several calls.
+MAX_EPISODES_PER_ROLLOUT = 512
 # Tasks drawn from a task function or stream when no count is given: with group_size 4, the 32 episodes
 # the older `--episodes` default played.
 DEFAULT_GENERATED_TASKS = 8
@@ -171,9 +175,17 @@ def play(
         raise ConfigError(f"samples per task must be a whole number >= 1, got {samples!r}")
     rule = rule or PassRule()
     started = time.perf_counter()
-    result = client.rollout(rollout_request(config, policy, tasks, samples, seed))
+    episodes = []
+    per_call = max(1, MAX_EPISODES_PER_ROLLOUT // samples)  # tasks per rollout call
+    for first in range(0, len(tasks), per_call):
+        # The first call keeps `seed` (a training step's rollout fits in one call, so eval replays it exactly);
+        # later calls get seeds of their own, so no two calls sample with the same random streams.
+        call_seed = seed if first == 0 else (seed * 1_000_003 + first) % MAX_SEED
+        result = client.rollout(rollout_request(config, policy, tasks[first:first + per_call], samples, call_seed))
+        for episode in result.episodes:
+            episode.task_index += first
+        episodes.extend(result.episodes)
     seconds = time.perf_counter() - started
-    episodes = result.episodes
     ok = [e for e in episodes if e.status != "error"]
     passed = [0] * len(tasks)
     for episode in episodes:
@@ -229,6 +241,8 @@ def evaluate(
     samples = config.group_size if samples is None else samples
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:  # before any model loads
         raise ConfigError(f"samples per task must be a whole number >= 1, got {samples!r}", hint="e.g. --samples 4")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"seed must be a whole number from 0 to 2**63-1, got {seed!r}", hint="e.g. --seed 12345")
     rule = PassRule(pass_threshold)
     if transcripts is not None:  # a bad path fails now, not after every episode was played
         _check_writable(Path(transcripts))
