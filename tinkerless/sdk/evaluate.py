@@ -150,7 +150,8 @@ def eval_columns(report: "EvalReport") -> dict:
 
 
 def rollout_request(config: TrainConfig, policy: str, tasks: list[dict], group_size: int, seed: int) -> RolloutRequest:
-    """The rollout `train()` sends for these tasks, group size and seed (one place builds both)."""
+    """The rollout `train()` sends for these tasks, group size and seed: the same fields from the same config
+    (`tests/test_eval.py` replays a training step from its checkpoint token for token, so they cannot drift)."""
     env = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
     reward = pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
     return RolloutRequest(
