@@ -77,6 +77,17 @@ def test_the_logged_eval_is_tinkerless_eval_of_that_steps_checkpoint(runs, tiny_
     assert report.pass_at[1] == pytest.approx(logged["eval_pass@1"])
 
 
+def test_a_resumed_run_logs_the_evals_of_an_uninterrupted_one(runs, tiny_model, tmp_path):
+    evaluated = runs[0]
+    _train(tiny_model, tmp_path, steps=2, eval_every=2, eval_tasks=HELD_OUT)  # stops after step 1
+    resumed = _train(tiny_model, tmp_path, steps=3, eval_every=2, eval_tasks=HELD_OUT, resume=True)  # plays step 2
+
+    def columns(metrics):
+        return [(r["step"], r["reward_mean"], r.get("eval_reward_mean"), r.get("eval_pass@1")) for r in metrics]
+
+    assert columns(resumed.metrics) == columns(evaluated.metrics)
+
+
 def test_the_plot_shows_eval_reward_and_pass_at_1(tmp_path):
     import matplotlib.image
 
