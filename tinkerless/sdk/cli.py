@@ -79,13 +79,13 @@ _OVERRIDES = {
     "max_episode_tokens": int,
     "learning_rate": float,
     "checkpoint_every": int,
+    "eval_every": int,
     "temperature": float,
     "loss": str,
     "algo": str,
     "engine": str,
     "transcripts_per_step": int,
     "threads": int,
-    "eval_every": int,
 }
 
 _EPILOG = """\
