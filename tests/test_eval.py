@@ -183,6 +183,8 @@ def test_conflicting_and_invalid_options(run, capsys):
         evaluate(config, num_tasks=-2)
     with pytest.raises(ConfigError, match="pass threshold"):
         evaluate(config, pass_threshold=float("nan"))
+    with pytest.raises(ConfigError, match="seed must be a whole number"):
+        evaluate(config, seed=-1)
     with pytest.raises(SystemExit):  # argparse: --checkpoint and --run-id are exclusive
         main(["eval", "x.py", "--checkpoint", "ev@1", "--run-id", "ev"])
     capsys.readouterr()
@@ -208,3 +210,46 @@ def test_eval_through_a_server_plays_what_a_local_eval_plays(tiny_model, worker,
         np.testing.assert_array_equal(ours.tokens, theirs.tokens)
         assert ours.reward == theirs.reward
     assert local.pass_at == remote.pass_at
+
+
+def test_an_eval_larger_than_one_rollout_call_is_split(tiny_model, worker, tmp_path, monkeypatch):
+    from tinkerless.sdk import evaluate as evaluate_module
+    from tinkerless.server import create_app
+    from tinkerless.server import serve_in_thread as running
+    from tinkerless.server.limits import ServingLimits
+
+    config = _config(tiny_model, tmp_path / "client")
+    tasks = [{"word": w} for w in "abcde"]
+    monkeypatch.setattr(evaluate_module, "MAX_EPISODES_PER_ROLLOUT", 4)  # as a server that allows 4 per call
+    with running(create_app(worker, storage=str(tmp_path / "server"), limits=ServingLimits(max_rollouts=4))) as url:
+        report = evaluate(config.replace(backend=url), tasks=tasks, samples=2, seed=4)
+    assert report.episodes == 10 and report.errors == 0  # 3 calls of 2 tasks x 2 samples, 2, 1
+    assert sorted(e.task_index for e in report.played) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    for episode in report.played:
+        assert f"say {tasks[episode.task_index]['word']}" in episode.transcript[0]["content"]
+    # The first call is what an eval of its tasks alone plays: its seed is the eval's.
+    first = evaluate(config, tasks=tasks[:2], samples=2, seed=4)
+    for ours, theirs in zip(first.played, report.played[:4]):
+        np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+
+
+def test_mistakes_are_refused_before_the_model_loads(run, tmp_path, monkeypatch):
+    from tinkerless.sdk import evaluate as evaluate_module
+
+    config, _, _ = run
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the mistake was found")
+
+    monkeypatch.setattr(evaluate_module, "make_backend", no_model)
+    (tmp_path / "not-an-adapter").mkdir()
+    cases = [
+        (dict(checkpoint="evv@1"), UserError), (dict(checkpoint="ev@7"), StorageNotFound),
+        (dict(checkpoint="ev@1", samples=0), ConfigError), (dict(adapter=str(tmp_path / "not-an-adapter")), UserError),
+        (dict(transcripts=str(tmp_path)), UserError),
+    ]
+    for kwargs, error in cases:
+        with pytest.raises(error):
+            evaluate(config, **kwargs)
+    with pytest.raises(UserError, match="was trained on base model"):
+        evaluate(config.replace(model=build_tiny_model(tmp_path / "other", seed=2)), checkpoint="ev@1")

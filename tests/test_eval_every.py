@@ -77,6 +77,17 @@ def test_the_logged_eval_is_tinkerless_eval_of_that_steps_checkpoint(runs, tiny_
     assert report.pass_at[1] == pytest.approx(logged["eval_pass@1"])
 
 
+def test_a_resumed_run_logs_the_evals_of_an_uninterrupted_one(runs, tiny_model, tmp_path):
+    evaluated = runs[0]
+    _train(tiny_model, tmp_path, steps=2, eval_every=2, eval_tasks=HELD_OUT)  # stops after step 1
+    resumed = _train(tiny_model, tmp_path, steps=3, eval_every=2, eval_tasks=HELD_OUT, resume=True)  # plays step 2
+
+    def columns(metrics):
+        return [(r["step"], r["reward_mean"], r.get("eval_reward_mean"), r.get("eval_pass@1")) for r in metrics]
+
+    assert columns(resumed.metrics) == columns(evaluated.metrics)
+
+
 def test_the_plot_shows_eval_reward_and_pass_at_1(tmp_path):
     import matplotlib.image
 
@@ -120,3 +131,20 @@ def test_eval_every_through_a_server(tiny_model, worker, tmp_path):
         result = _train(tiny_model, tmp_path / "client", steps=1, eval_every=1, eval_tasks=HELD_OUT, backend=HTTPBackend(url))
     (record,) = result.metrics
     assert record["eval_episodes"] == 6 and "eval_pass@1" in record and "eval_reward_mean" in record
+
+
+def test_train_cli_takes_eval_every(tiny_model, tmp_path, capsys):
+    from tinkerless.sdk.cli import main
+    from tinkerless.sdk.metrics import read_metrics
+
+    file = tmp_path / "held_out.py"
+    file.write_text(
+        "import tinkerless\nfrom test_eval_every import HELD_OUT, _letters\n"
+        f"config = tinkerless.TrainConfig(model={tiny_model!r}, reward=_letters, tasks=[{{'prompt': 'a'}}], eval_tasks=HELD_OUT,\n"
+        f"    steps=1, batch_size=1, group_size=2, max_tokens=4, storage={str(tmp_path)!r}, progress=False)\n"
+    )
+    assert main(["train", str(file), "--run-id", "cli", "--eval-every", "1"]) == 0
+    (record,) = read_metrics(tmp_path / "runs" / "cli" / "metrics.jsonl")
+    assert record["eval_episodes"] == 6
+    assert main(["train", str(file), "--run-id", "cli2", "--eval-every", "0"]) == 2
+    assert "eval_every must be a whole number" in capsys.readouterr().err

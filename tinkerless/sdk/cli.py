@@ -79,6 +79,7 @@ _OVERRIDES = {
     "max_episode_tokens": int,
     "learning_rate": float,
     "checkpoint_every": int,
+    "eval_every": int,
     "temperature": float,
     "loss": str,
     "algo": str,

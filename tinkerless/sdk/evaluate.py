@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tinkerless.envs.base import is_multi_agent
-from tinkerless.errors import ConfigError, DatasetError, UserError
+from tinkerless.errors import ConfigError, DatasetError, StorageNotFound, UserError
 from tinkerless.sdk.backends import Backend, make_backend
 from tinkerless.sdk.checkpoint_ref import CheckpointRef, check_base_model, find_run, parse_checkpoint
 from tinkerless.sdk.client import TrainingClient
@@ -28,9 +28,13 @@ from tinkerless.sdk.run_host import run_host_for
 from tinkerless.sdk.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.transcripts import episode_record, write_transcripts
 from tinkerless.wire import pack_code
+from tinkerless.wire.validate import MAX_SEED
 from tinkerless.wire.messages import BASE_POLICY, Episode, EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
 from tinkerless.wire.runs import CheckpointPolicy
 
+# Episodes per rollout call: a `tinkerless serve` server refuses more by default (ServingLimits.max_rollouts),
+# and a training step's rollout is held to the same limit. A larger eval is played in several calls.
+MAX_EPISODES_PER_ROLLOUT = 512
 # Tasks drawn from a task function or stream when no count is given: with group_size 4, the 32 episodes
 # the older `--episodes` default played.
 DEFAULT_GENERATED_TASKS = 8
@@ -146,7 +150,8 @@ def eval_columns(report: "EvalReport") -> dict:
 
 
 def rollout_request(config: TrainConfig, policy: str, tasks: list[dict], group_size: int, seed: int) -> RolloutRequest:
-    """The rollout `train()` sends for these tasks, group size and seed (one place builds both)."""
+    """The rollout `train()` sends for these tasks, group size and seed: the same fields from the same config
+    (`tests/test_eval.py` replays a training step from its checkpoint token for token, so they cannot drift)."""
     env = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
     reward = pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
     return RolloutRequest(
@@ -171,9 +176,17 @@ def play(
         raise ConfigError(f"samples per task must be a whole number >= 1, got {samples!r}")
     rule = rule or PassRule()
     started = time.perf_counter()
-    result = client.rollout(rollout_request(config, policy, tasks, samples, seed))
+    episodes = []
+    per_call = max(1, MAX_EPISODES_PER_ROLLOUT // samples)  # tasks per rollout call
+    for first in range(0, len(tasks), per_call):
+        # The first call keeps `seed` (a training step's rollout fits in one call, so eval replays it exactly);
+        # later calls get seeds of their own, so no two calls sample with the same random streams.
+        call_seed = seed if first == 0 else (seed * 1_000_003 + first) % MAX_SEED
+        result = client.rollout(rollout_request(config, policy, tasks[first:first + per_call], samples, call_seed))
+        for episode in result.episodes:
+            episode.task_index += first
+        episodes.extend(result.episodes)
     seconds = time.perf_counter() - started
-    episodes = result.episodes
     ok = [e for e in episodes if e.status != "error"]
     passed = [0] * len(tasks)
     for episode in episodes:
@@ -229,25 +242,29 @@ def evaluate(
     samples = config.group_size if samples is None else samples
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:  # before any model loads
         raise ConfigError(f"samples per task must be a whole number >= 1, got {samples!r}", hint="e.g. --samples 4")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"seed must be a whole number from 0 to 2**63-1, got {seed!r}", hint="e.g. --seed 12345")
     rule = PassRule(pass_threshold)
     if transcripts is not None:  # a bad path fails now, not after every episode was played
         _check_writable(Path(transcripts))
     chosen = choose_tasks(config, tasks, num_tasks)
+    # What can be checked without the model is checked before it loads: the adapter's files, the run.
+    files = adapter_files(adapter) if adapter is not None else None
+    if ref is not None and not ref.is_base and config.backend in ("local", "modal"):
+        _check_run_in_storage(config, ref)
     threads = {"threads": config.threads} if config.backend == "local" and config.threads else {}
     backend = make_backend(config.backend, config.model, engine=config.engine, **threads)
     try:
         policy, loaded = BASE_POLICY, None
-        if adapter is not None:
-            TrainingClient(backend, "default", create=False).load_state(
-                PolicyState("default", adapter_files(adapter)), include_optimizer=False
-            )
+        if files is not None:
+            TrainingClient(backend, "default", create=False).load_state(PolicyState("default", files), include_optimizer=False)
             policy = "default"
         elif ref is not None and not ref.is_base:
             loaded = load_checkpoint(backend, config, ref.run_id, ref.step)
             policy = "default"
         client = TrainingClient(backend, policy, create=False)
         report = play(client, config, chosen, samples=samples, seed=seed, policy=policy, rule=rule,
-                              source=_source(config, ref, adapter))
+                      source=_source(config, ref, adapter))
     finally:
         backend.close()
     report.step = loaded
@@ -273,6 +290,22 @@ def _which_checkpoint(checkpoint, run_id: str | None, step: int | None, adapter:
     if run_id is None:
         return None
     return parse_checkpoint(f"{run_id}@{'latest' if step is None else step}")  # the same checks as --checkpoint
+
+
+def _check_run_in_storage(config: TrainConfig, ref: CheckpointRef) -> None:
+    """The run exists in `storage`, trained `config.model`, and has the step asked for."""
+    from tinkerless.coordinator import checkpoint_prefix
+    from tinkerless.sdk.run_host import StorageRunHost
+    from tinkerless.storage import CheckpointStore, ObjectStore
+
+    host = StorageRunHost(ObjectStore(config.storage, **(config.storage_options or {})), backend=None)
+    check_base_model(find_run(host, ref.run_id), config.model, f"run {ref.run_id!r}")
+    steps = CheckpointStore(host.store, checkpoint_prefix(ref.run_id)).steps()
+    if ref.step is not None and ref.step not in steps:
+        raise StorageNotFound(
+            f"no checkpoint for step {ref.step} of run {ref.run_id!r} in {host.where}; available steps: {steps}",
+            hint=f"pick one of them, e.g. --checkpoint {ref.run_id}@{steps[-1]}" if steps else "this run has no checkpoint yet",
+        )
 
 
 def _source(config: TrainConfig, ref: CheckpointRef | None, adapter: str | None) -> str:
