@@ -62,7 +62,7 @@ def plain_loop(model_spec: str, examples, lr: float):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step
 

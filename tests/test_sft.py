@@ -104,10 +104,18 @@ def test_cli_reports_malformed_json_with_its_line_and_an_unknown_resume(tiny_mod
     code = main(["sft", str(data), "--model", tiny_model, "--storage", str(tmp_path), "--resume", "--run-id", "ghost", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "'ghost' does not exist" in err and "tinkerless runs" in err
+    import tinkerless
+
+    tinkerless.train(model=tiny_model, reward=lambda completion, task: 0.0, tasks=[{"prompt": "x"}], steps=1, batch_size=1,
+                     group_size=2, max_tokens=2, storage=str(tmp_path), run_id="rl", progress=False)
+    state = (tmp_path / "runs/rl/state.json").read_bytes()
+    code = main(["sft", str(data), "--model", tiny_model, "--storage", str(tmp_path), "--resume", "--run-id", "rl", "--no-progress"])
+    assert code == 2 and "'rl' is an RL run" in capsys.readouterr().err
+    assert (tmp_path / "runs/rl/state.json").read_bytes() == state  # the RL run is left as it was
 
 
 def _start_sft(data: Path, storage: Path, model: str, *extra: str) -> subprocess.Popen:
-    cmd = [*CLI, "sft", str(data), "--model", model, "--storage", str(storage), "--run-id", "r", "--steps", "24",
+    cmd = [*CLI, "sft", str(data), "--model", model, "--storage", str(storage), "--run-id", "r", "--steps", "16",
            "--batch-size", "4", "--checkpoint-every", "1", "--keep-checkpoints", "100", "--learning-rate", "0.01",
            "--eval-every", "4", "--no-progress", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TINKERLESS_HEARTBEAT_S": "1"}
@@ -115,7 +123,7 @@ def _start_sft(data: Path, storage: Path, model: str, *extra: str) -> subprocess
 
 
 def test_sigkilled_sft_resumes_to_a_byte_identical_adapter(tiny_model, tmp_path):
-    data = _write(tmp_path / "d.jsonl", _examples(40))
+    data = _write(tmp_path / "d.jsonl", _examples(24))
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     proc = _start_sft(data, killed, tiny_model)
     checkpoints = CheckpointStore(ObjectStore(str(killed)), "runs/r/checkpoints")
@@ -129,7 +137,7 @@ def test_sigkilled_sft_resumes_to_a_byte_identical_adapter(tiny_model, tmp_path)
     proc.wait()
     assert json.loads((killed / "runs/r/state.json").read_text())["status"] == "running"  # nothing could mark it
     killed_at = checkpoints.latest_step()
-    assert killed_at is not None and killed_at < 24
+    assert killed_at is not None and killed_at < 16
 
     resumed = _start_sft(data, killed, tiny_model, "--resume")
     out, _ = resumed.communicate(timeout=600)
@@ -138,9 +146,9 @@ def test_sigkilled_sft_resumes_to_a_byte_identical_adapter(tiny_model, tmp_path)
     out, _ = reference.communicate(timeout=600)
     assert reference.returncode == 0, out
 
-    assert _adapter(killed, "r", 24) == _adapter(straight, "r", 24)
+    assert _adapter(killed, "r", 16) == _adapter(straight, "r", 16)
     lines = [json.loads(line) for line in (killed / "runs/r/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == list(range(24))  # no step twice, none missing
+    assert [r["step"] for r in lines] == list(range(16))  # no step twice, none missing
     straight_lines = [json.loads(line) for line in (straight / "runs/r/metrics.jsonl").read_text().splitlines()]
     assert [r["train_nll"] for r in lines] == [r["train_nll"] for r in straight_lines]
 

@@ -159,3 +159,32 @@ def test_holdout_split_is_seeded_and_disjoint(renderer):
     assert [e.line for e in split_holdout(examples, 0.2, seed=3)[1]] == [e.line for e in held]
     assert split_holdout(examples, 0.0, seed=3) == (examples, [])
     assert all(isinstance(e.weights, np.ndarray) and e.weights[0] == 0 for e in examples)
+
+
+def test_generated_calculator_demonstrations_are_correct_episodes_of_the_env(renderer):
+    import random
+
+    from tinkerless.envs.calculator import CalculatorEnv, make_demonstrations, make_word_problem
+
+    demos = make_demonstrations(30, seed=4)
+    assert demos == make_demonstrations(30, seed=4)  # reproducible
+    assert len({d["task"]["question"] for d in demos}) > 25
+    env = CalculatorEnv()
+    for demo in demos:
+        messages = demo["messages"]
+        assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+        assert messages[0]["content"] == env.system_prompt()  # what a rollout shows the model
+        assert messages[1]["content"] == CalculatorEnv().reset(**demo["task"])
+        # Replayed through a fresh env: a well-formed call whose result is the answer, then the answer.
+        replay = CalculatorEnv()
+        replay.reset(**demo["task"])
+        observation = replay.step(messages[2]["content"])
+        assert observation.observation == messages[3]["content"] == f"<tool_response>{demo['task']['answer']}</tool_response>"
+        assert replay.step(messages[4]["content"]).reward == 1.0
+    # Tasks come from the env's own generator: the same templates and the same kinds of questions.
+    assert {make_word_problem(random.Random(i))["question"].split()[-1] for i in range(50)} >= {
+        d["task"]["question"].split()[-1] for d in demos
+    }
+    first = demos[0]["messages"]
+    example = renderer.render(to_messages({"messages": first}, "demo"), "demo", 1)
+    assert example.trained_tokens == len(first[2]["content"]) + len(first[4]["content"]) + 2  # bytes + 2 <|im_end|>

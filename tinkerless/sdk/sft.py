@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from tinkerless.errors import UserError
 from tinkerless.functions.losses import LossConfig
 from tinkerless.sdk.accounting import RunUsage, format_usage, latest_usage
 from tinkerless.sdk.backends import Backend, device_of, make_backend, with_usage
@@ -160,7 +161,14 @@ class _SFTRun:
         config = self.config
         if config.resume:
             run_id = config.run_id or self.host.latest_run_id(config.name)
-            return self.host.open(run_id), True
+            coordinator = self.host.open(run_id)
+            if coordinator.state.config.get("kind") != "sft":  # checked before anything of that run changes
+                raise UserError(
+                    f"run {run_id!r} is an RL run, so `sft --resume` cannot continue it",
+                    hint=f"resume it with `tinkerless train FILE --resume --run-id {run_id}`, or warm start "
+                    f"an SFT run from it with init_from='{run_id}@latest'",
+                )
+            return coordinator, True
         run_id = config.run_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16**4):04x}"
         return self.host.create(run_id, self._config_summary()), False
 
