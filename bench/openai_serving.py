@@ -41,6 +41,7 @@ from tinkerless.wire.messages import (
 
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
 POLICY, RUN = "bench", "bench-run"
+ONE_TOKEN = 104  # a one-token prompt (any id of the vocabulary does)
 
 
 def update(backend, prompt: list[int], step: int) -> None:
@@ -54,11 +55,20 @@ def update(backend, prompt: list[int], step: int) -> None:
     call(backend, "update", UpdateRequest(POLICY, [datum], LossConfig(), AdamParams(learning_rate=5e-3)))
 
 
-def first_token(client: openai.OpenAI, model: str) -> tuple[float, float]:
-    """(seconds, log-prob of the first greedy token) of a one-token chat completion."""
-    started = time.perf_counter()
-    answer = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1, temperature=0, logprobs=True)
-    return time.perf_counter() - started, answer.choices[0].logprobs.content[0].logprob
+def first_token(client: openai.OpenAI, model: str, chat: bool) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds of this process, log-prob of the first greedy token) of a one-token completion:
+    of the chat prompt (its prefill included), or of a one-token prompt (the hand-off alone: one forward).
+    The server runs in this process, so the CPU time is the request's own work on both sides, which a busy
+    shared machine does not inflate the way it inflates wall time."""
+    started, cpu = time.perf_counter(), time.process_time()
+    if chat:
+        answer = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1, temperature=0,
+                                                logprobs=True)
+        logprob = answer.choices[0].logprobs.content[0].logprob
+    else:
+        answer = client.completions.create(model=model, prompt=[ONE_TOKEN], max_tokens=1, temperature=0, logprobs=0)
+        logprob = answer.choices[0].logprobs.token_logprobs[0]
+    return time.perf_counter() - started, time.process_time() - cpu, logprob
 
 
 def summary(values: list[float]) -> str:
@@ -89,51 +99,74 @@ def main() -> None:
         prompt = render_chat(worker.tokenizer, MESSAGES)
         print(f"model {base}, engine {worker.engine.name}, {worker.threads.threads} threads, LoRA rank 16 (all-linear)")
 
-        live, saved, changed = [], [], 0
-        step = 0
         for model_name in (base, POLICY):  # warm-up: first requests build caches
-            first_token(client, model_name)
-        _, before = first_token(client, POLICY)
+            first_token(client, model_name, True)
+            first_token(client, model_name, False)
+        # Live policy: the first token right after an update against the same request with no update before it.
+        after_update, steady, changed = ([], []), ([], []), 0
+        _, _, before = first_token(client, POLICY, False)
+        step = 0
         for i in range(args.handoffs):
+            wall, cpu, same = first_token(client, POLICY, False)
+            steady[0].append(wall), steady[1].append(cpu)
             step += 1
             update(backend, prompt, step)
-            seconds, after = first_token(client, POLICY)  # measured from the update's reply
-            live.append(seconds)
-            changed += after != before
+            wall, cpu, after = first_token(client, POLICY, False)  # measured from the update's reply
+            after_update[0].append(wall), after_update[1].append(cpu)
+            changed += (after != same) and (same == before)
             before = after
+        print(f"hand-off, live policy (1-token prompt, max_tokens=1; CPU = this process's CPU time):")
+        print(f"  update reply -> first token        wall {summary(after_update[0])}  CPU {summary(after_update[1])}")
+        print(f"  same request, no update before it  wall {summary(steady[0])}  CPU {summary(steady[1])}")
+        print(f"  the first token's log-prob moved with {changed} of {args.handoffs} updates (and only then)")
+
+        # Checkpoint: update -> save -> `run@latest`, the cache reloading its one slot in place (capacity 1),
+        # then the first use of a step that needs a new slot (an empty cache).
+        cache = app.state.openai.adapters
+        saves, loads, cached = [], ([], []), ([], [])
         for i in range(args.handoffs):
+            cache.capacity = 1
             step += 1
             update(backend, prompt, step)
             started = time.perf_counter()
             files = call(backend, "save_state", SaveStateRequest(POLICY, include_optimizer=False)).files
             checkpoints.save(step, files, {"policy_versions": {"default": step}})
-            seconds, after = first_token(client, f"{RUN}@latest")
-            saved.append(time.perf_counter() - started)
-            changed += after != before
-            before = after
-        print(f"hand-off, live policy (update reply -> first token):              {summary(live)}")
-        print(f"hand-off, checkpoint (update reply -> save -> first token @latest): {summary(saved)}")
-        print(f"  the first token's log-prob changed after {changed} of {2 * args.handoffs} updates; "
-              f"adapters loaded into the cache: {app.state.openai.adapters.loads}")
+            saves.append(time.perf_counter() - started)
+            wall, cpu, _ = first_token(client, f"{RUN}@latest", False)
+            loads[0].append(wall), loads[1].append(cpu)
+            wall, cpu, _ = first_token(client, f"{RUN}@latest", False)
+            cached[0].append(wall), cached[1].append(cpu)
+        print(f"hand-off, checkpoint of a run (`{RUN}@latest`, 1-token prompt):")
+        print(f"  update reply -> checkpoint committed (save_state + CheckpointStore.save)  wall {summary(saves)}")
+        print(f"  committed -> first token (read, verify, reload the slot in place)  wall {summary(loads[0])}"
+              f"  CPU {summary(loads[1])}")
+        print(f"  the same step again (cached)                                       wall {summary(cached[0])}"
+              f"  CPU {summary(cached[1])}")
+        print(f"  adapters loaded into the cache: {cache.loads}")
+        cache.capacity = 8
 
         # Adapter cost: the same greedy request, interleaved, on the base model and on LoRA adapters.
         models = {"base": base, "LoRA (live policy)": POLICY, "LoRA (checkpoint)": f"{RUN}@latest"}
         times = {k: [] for k in models}
+        cpu_times = {k: [] for k in models}
         tokens = {k: 0 for k in models}
         for _ in range(args.requests + 1):
             for label, name in models.items():
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 answer = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=args.max_tokens,
                                                         temperature=0)
                 elapsed = time.perf_counter() - started
                 if _ > 0:  # the first round warms up
                     times[label].append(elapsed)
+                    cpu_times[label].append(time.process_time() - cpu)
                     tokens[label] += answer.usage.completion_tokens
         base_rate = tokens["base"] / sum(times["base"])
+        base_cpu_rate = tokens["base"] / sum(cpu_times["base"])
         for label in models:
-            rate = tokens[label] / sum(times[label])
-            print(f"{label:20s} latency {summary(times[label])}  {rate:6.1f} tokens/s  "
-                  f"({rate / base_rate:5.2f}x base, {tokens[label] / len(times[label]):.0f} tokens per reply)")
+            rate, cpu_rate = tokens[label] / sum(times[label]), tokens[label] / sum(cpu_times[label])
+            print(f"{label:20s} latency {summary(times[label])}  {rate:6.1f} tokens/s ({rate / base_rate:5.2f}x base)"
+                  f"  per CPU second {cpu_rate:6.1f} tokens ({cpu_rate / base_cpu_rate:5.2f}x base)"
+                  f"  {tokens[label] / len(times[label]):.0f} tokens per reply")
 
 
 if __name__ == "__main__":

@@ -326,6 +326,14 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server):
         error = _error(response)
         if code is not None:
             assert error["code"] == code, (label, error)
+    # Prompt + max_tokens over the context, each alone within it (this server's prompt limit hides it from HTTP).
+    from tinkerless.server.openai_api import OpenAIError, TokenSampling
+
+    request = TokenSampling(prompt_ids=[5] * 2000, n=1, max_tokens=60, temperature=1.0, top_p=1.0, stop_strings=[],
+                            stop_token_ids=[], seed=None, top_logprobs=0)
+    with pytest.raises(OpenAIError) as caught:
+        app.state.openai._check(request)
+    assert caught.value.code == "context_length_exceeded" and "2048" in caught.value.message
     # The server is still serving.
     assert client(url).chat.completions.create(model=base, messages=HI, max_tokens=2).choices[0].message is not None
 

@@ -80,7 +80,7 @@ class ServeBackend:
                 return "adapter", self.names.resolve(caller, model)
             except NotFound:
                 pass
-        raise unknown_model(model, self.models(caller))
+        raise unknown_model(model, [self.base_model])  # the same answer for every name: no listing, no hints
 
     # -- sampling ----------------------------------------------------------------------------
 
@@ -99,13 +99,16 @@ class ServeBackend:
         if bad is not None:
             raise OpenAIError(f"prompt token id {bad} is outside this model's vocabulary [0, {vocab})", param="prompt",
                               code="invalid_token_id")
-        try:
-            self.limits.check_sample(samples=request.n, max_tokens=request.max_tokens, prompt_tokens=prompt)
-        except Exception as exc:  # LimitExceeded: say which field, OpenAI-style
-            param = "n" if "sequences" in exc.message else "max_tokens" if "max_tokens" in exc.message else "messages"
-            raise OpenAIError(exc.message, param=param, code="limit_exceeded", hint=exc.hint) from None
-        if request.top_logprobs < 0 or request.n < 1 or request.max_tokens < 1:
-            raise OpenAIError("n and max_tokens must be at least 1 and top_logprobs at least 0")
+        for name, value, what, param in (("max_samples", request.n, "n", "n"),
+                                         ("max_tokens", request.max_tokens, "max_tokens", "max_tokens"),
+                                         ("max_prompt_tokens", prompt, "the prompt length in tokens", "messages")):
+            limit = getattr(self.limits, name)
+            if value > limit:
+                raise OpenAIError(
+                    f"{what} is {value}, over this server's limit of {limit} ({name})", param=param,
+                    code="limit_exceeded",
+                    hint=f"ask for less, or start `tinkerless serve` with a larger {ServingLimits.flag(name)}",
+                )
 
     async def sample(self, caller: str, model: str, request: TokenSampling) -> list[SampledChoice]:
         self._check(request)
