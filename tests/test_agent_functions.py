@@ -106,10 +106,15 @@ async def misbehaving(client, task):
     if kind == "ok":
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
         return 1
+    if kind == "streams":  # SSE through the in-process transport: recorded like any call
+        stream = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}],
+                                                      stream=True)
+        text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+        return 2.0 + 0 * len(text)
     if kind == "raises":
         raise RuntimeError("the agent broke")
     if kind == "slow":
-        await asyncio.sleep(30)
+        await asyncio.sleep(120)
     if kind == "text":
         return "1.0"
     if kind == "none":
@@ -127,17 +132,19 @@ async def misbehaving(client, task):
 
 
 def test_failing_agents_are_dropped_with_their_traceback_and_the_rest_go_on(worker):
-    kinds = ["ok", "raises", "slow", "text", "none", "wrong_model", "n2", "too_many_calls", "nan"]
-    episodes = _play(worker, misbehaving, [{"kind": k} for k in kinds], timeout=3.0, max_turns=2)
+    kinds = ["ok", "streams", "raises", "slow", "text", "none", "wrong_model", "n2", "too_many_calls", "nan"]
+    episodes = _play(worker, misbehaving, [{"kind": k} for k in kinds], timeout=10.0, max_turns=2)
     by_kind = dict(zip(kinds, episodes))
     assert by_kind["ok"].status == "ok" and by_kind["ok"].reward == 1.0 and by_kind["ok"].mask.sum() > 0
-    for kind in kinds[1:]:
+    assert by_kind["streams"].status == "ok", by_kind["streams"].error
+    assert by_kind["streams"].reward == 2.0 and by_kind["streams"].mask.sum() > 0
+    for kind in kinds[2:]:
         episode = by_kind[kind]
         assert episode.status == "error" and np.isnan(episode.reward), kind
         assert episode.error.startswith("misbehaving") and episode.traceback, kind
     assert "RuntimeError: the agent broke" in by_kind["raises"].error
     assert "in misbehaving" in by_kind["raises"].traceback
-    assert "timed out after agent_timeout=3" in by_kind["slow"].error
+    assert "timed out after agent_timeout=10" in by_kind["slow"].error
     assert "not a number" in by_kind["text"].error and "returned None" in by_kind["none"].error
     assert "NotFoundError" in by_kind["wrong_model"].error and "model='policy'" in by_kind["wrong_model"].error
     assert "BadRequestError" in by_kind["n2"].error and "n=2" in by_kind["n2"].error

@@ -188,7 +188,7 @@ def _in_own_loop(main: Callable[[], Any]) -> None:
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(exc)
 
-    thread = threading.Thread(target=target, name="agent-loop")
+    thread = threading.Thread(target=target, name="agent-loop", daemon=True)  # Ctrl-C must not wait for it
     thread.start()
     thread.join()
     if failure:
