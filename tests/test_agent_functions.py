@@ -229,3 +229,39 @@ def test_train_an_agent_end_to_end_with_every_sequence_of_an_episode_trained(tin
     trained = [m["trained_sequences"] for m in result.metrics]
     assert all(t % 2 == 0 for t in trained) and sum(trained) > 0, trained
     assert result.metrics[-1]["policy_version"] >= 1
+
+
+def test_a_tool_call_sent_back_re_serialized_is_spliced_back_as_the_sampled_ids(worker):
+    """The model writes a tool call its own way; the router parses it into `tool_calls` and re-renders it
+    with its own JSON spacing. The next prompt gets the sampled ids back, not the re-rendering."""
+    from tinkerless.functions.agent_functions import same_reply_checker
+    from tinkerless.functions.recording import EpisodeRecorder
+    from tinkerless.server.openai_api.render import parse_tool_calls
+
+    tokenizer, end = worker.tokenizer, worker.chat.eos_token_ids[0]
+    first = [{"role": "user", "content": "What is 3 * 4?"}]
+    prompt1 = render_chat(tokenizer, first, [CALCULATOR])
+    written = 'Let me compute.\n<tool_call>{"name":"calculator","arguments":{"expression":"3*4"}}</tool_call>'
+    sampled = tokenizer.encode(written, add_special_tokens=False) + [end]
+    content, calls = parse_tool_calls(written)
+    reply = {"role": "assistant", "content": content, "tool_calls": calls}
+    second = first + [reply, {"role": "tool", "tool_call_id": calls[0]["id"], "content": "12"}]
+    rendered = render_chat(tokenizer, second, [CALCULATOR])
+    assert rendered[: len(prompt1) + len(sampled)] != prompt1 + sampled  # re-serialized: not an extension as is
+
+    recorder = EpisodeRecorder(same_reply_checker(tokenizer))
+    recorder.record(prompt1, sampled, [-0.5] * len(sampled), [end])
+    prompt2 = recorder.prompt_for(rendered)
+    assert prompt2[: len(prompt1) + len(sampled)] == prompt1 + sampled
+    reply_end = next(i for i in range(len(prompt1), len(rendered)) if rendered[i] == end)
+    assert prompt2[len(prompt1) + len(sampled) :] == rendered[reply_end + 1 :]  # the tool result's glue, unchanged
+    recorder.record(prompt2, [7, end], [-0.1, -0.2], [end])
+    (sequence,) = recorder.sequences()
+    assert sequence.mask == [0.0] * len(prompt1) + [1.0] * len(sampled) + [0.0] * (len(rendered) - reply_end - 1) + [1.0, 1.0]
+
+    # The same reply with a different argument is an edited reply: not spliced, a new sequence.
+    edited = dict(reply, tool_calls=[{**calls[0], "function": {"name": "calculator", "arguments": '{"expression": "3*5"}'}}])
+    other = render_chat(tokenizer, first + [edited, second[-1]], [CALCULATOR])
+    fresh = EpisodeRecorder(same_reply_checker(tokenizer))
+    fresh.record(prompt1, sampled, [-0.5] * len(sampled), [end])
+    assert fresh.prompt_for(other) == other
