@@ -3,10 +3,11 @@
 Each agent makes two chat-completion calls through a real `openai.AsyncOpenAI` client (the second sends
 the first reply back with a user message, as a tool-using agent does) over the in-process ASGI
 transport, the default. "batched": the 32 copies run as one rollout, so their calls reach the engine
-at the same time and the continuous batcher decodes them together. "one at a time": the same 32
-agents as 32 rollouts of one copy each. Throughput is sampled tokens per second of wall time; both
-modes sample the same tasks with the same settings (the tokens drawn differ with the batch, so the
-count differs a little too).
+at the same time and the continuous batcher decodes them together. "one at a time": the same agents
+as rollouts of one copy each, one after another; on SmolLM2 under load that takes long, so
+`--sequential N` times only the first N of them (a rate in tokens/s does not depend on how many
+calls run one after another). Throughput is sampled tokens per second of wall time; both modes
+sample the same kind of task with the same settings.
 
     PYTHONPATH=$PWD python bench/agent_batching.py                   # SmolLM2-135M-Instruct
     PYTHONPATH=$PWD python bench/agent_batching.py --model tiny      # the tiny random model (quick check)
@@ -15,6 +16,7 @@ count differs a little too).
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2, or tiny for the random test model")
     parser.add_argument("--agents", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32, help="per completion call")
+    parser.add_argument("--sequential", type=int, default=None, help="time one-at-a-time on the first N agents (default: all)")
     args = parser.parse_args()
     model = build_tiny_model(tempfile.mkdtemp() + "/tiny", hidden_size=64, num_layers=2) if args.model == "tiny" else args.model
     worker = Worker(model)
@@ -61,22 +64,24 @@ def main() -> None:
 
     started = time.perf_counter()
     tokens_seq, calls_seq = 0, 0
-    for i, task in enumerate(tasks):
+    for i, task in enumerate(tasks[: args.sequential or len(tasks)]):
         tokens, calls = play(worker, [task], args.max_tokens, seed=i)
         tokens_seq, calls_seq = tokens_seq + tokens, calls_seq + calls
+        print(f"  one at a time: agent {i + 1}: {tokens_seq} tokens in {time.perf_counter() - started:.1f} s", flush=True)
     sequential_s = time.perf_counter() - started
+    print(f"one at a time: {calls_seq} calls, {tokens_seq} sampled tokens in {sequential_s:.1f} s", flush=True)
 
-    worker.engine.batcher.most_jobs = 0
+    worker.engine.batcher.widest = 0
     started = time.perf_counter()
     tokens_batched, calls_batched = play(worker, tasks, args.max_tokens, seed=0)
     batched_s = time.perf_counter() - started
 
     seq_rate, batched_rate = tokens_seq / sequential_s, tokens_batched / batched_s
     print(f"model={args.model} agents={args.agents} calls/agent=2 max_tokens/call={args.max_tokens} "
-          f"threads={worker.threads.threads}")
+          f"threads={worker.threads.threads} load average={os.getloadavg()[0]:.1f}")
     print(f"one at a time: {calls_seq} calls, {tokens_seq} sampled tokens in {sequential_s:.1f} s = {seq_rate:.1f} tok/s")
     print(f"batched:       {calls_batched} calls, {tokens_batched} sampled tokens in {batched_s:.1f} s = {batched_rate:.1f} tok/s "
-          f"(at most {worker.engine.batcher.most_jobs} calls in one forward)")
+          f"(at most {worker.engine.batcher.widest} rows in one forward)")
     print(f"speedup: {batched_rate / seq_rate:.2f}x sampled tokens/s")
 
 

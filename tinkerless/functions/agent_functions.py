@@ -6,9 +6,10 @@ is the worker's OpenAI-compatible app: the router of `tinkerless serve`
 (the default) or a loopback HTTP server (`transport="http"`); the same route code either way.
 
 The copies run as tasks of one asyncio loop (in a thread of its own, so a caller's running loop is
-never in the way). A completion call samples in a worker thread through `engine.generate`, which the
-continuous batcher (`functions/batcher.py`) batches with every other thread's call at the time: 32
-agents waiting on the model decode in one batch, not one after another.
+never in the way). Completion calls sample in worker threads through `engine.generate`: calls that
+wait on the model together go as one generate call (`_Gather`), and the continuous batcher
+(`functions/batcher.py`) batches that with every other call in flight: 32 agents waiting on the
+model decode in one batch, not one after another.
 
 The API key of each copy's client is its episode id: `PolicyBackend` records every call under it
 (`recording.EpisodeRecorder`), and the calls become the episode's training sequences. An agent that
@@ -73,6 +74,8 @@ class PolicyBackend:
         self.engine, self._tokenizer, self.policy = engine, tokenizer, policy
         self.sampling, self.limits, self.copies, self.executor = sampling, limits, copies, executor
         self.calls = 0  # every call sampled in this rollout (a statistic)
+        self.gather = _Gather(lambda prompts, sampling, seed: engine.generate(prompts, sampling, policy=policy, seed=seed),
+                              executor, live=len(copies))
 
     def tokenizer(self) -> Any:
         return self._tokenizer
@@ -105,15 +108,82 @@ class PolicyBackend:
                               hint="raise max_episode_tokens in the run's config, or send a shorter context")
         sampling = SamplingParams(max_tokens=max_tokens, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                   top_k=self.sampling.top_k, stop_token_ids=list(request.stop_token_ids))
-        seed = (run.seed * 1_000_003 + len(recorder.calls)) % (1 << 62)
-        loop = asyncio.get_running_loop()
-        generation = (await loop.run_in_executor(
-            self.executor, lambda: self.engine.generate([prompt], sampling, policy=self.policy, seed=seed)))[0]
+        generation = await self.gather.generate(prompt, sampling, seed=(run.seed * 1_000_003 + len(recorder.calls)) % (1 << 62))
         tokens, logprobs = cut_at_stop_strings(self._tokenizer, generation.tokens, generation.logprobs, request.stop_strings)
         stopped = generation.stop_reason == "stop" or len(tokens) < len(generation.tokens)
         recorder.record(prompt, tokens, logprobs, request.stop_token_ids, request.stop_strings)
         self.calls += 1
         return [SampledChoice(token_ids=tokens, logprobs=logprobs, top_logprobs=None, stopped=stopped)]
+
+
+class _Gather:
+    """Calls that wait on the model together go to the engine as one generate call (one prefill, one start).
+
+    The continuous batcher would batch them anyway, but a call that arrives a step late joins with a
+    prefill of its own and runs on past the others: on a CPU those tails cost about as much as the
+    batch. Here a call waits until every agent copy still running is waiting on the model (no other
+    call can come), or `window` seconds after the last call came (at most `most` after the first):
+    copies doing tool work or thinking do not hold the others up for longer than that.
+    """
+
+    def __init__(self, generate: Callable, executor: ThreadPoolExecutor, *, live: int,
+                 window: float = 0.02, most: float = 0.25):
+        self.generate_many, self.executor, self.live = generate, executor, live
+        self.window, self.most = window, most
+        self._pending: list[tuple[list[int], SamplingParams, int, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._first = 0.0
+        self.flushes = 0  # generate calls made (a statistic: calls / flushes is the gathered batch)
+
+    async def generate(self, prompt: list[int], sampling: SamplingParams, *, seed: int) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._pending:
+            self._first = loop.time()
+        self._pending.append((prompt, sampling, seed, future))
+        self._schedule(loop)
+        return await future
+
+    def agent_done(self) -> None:
+        """One copy finished: fewer calls can still come."""
+        self.live -= 1
+        if self._pending:
+            self._schedule(asyncio.get_running_loop())
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        waiting = sum(not f.done() for *_, f in self._pending)
+        if waiting >= self.live:
+            self._flush()
+        else:
+            delay = min(self.window, max(0.0, self._first + self.most - loop.time()))
+            self._timer = loop.call_later(delay, self._flush)
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        pending = [p for p in self._pending if not p[3].done()]  # a copy past its timeout no longer waits
+        self._pending = []
+        groups: dict[tuple, list] = {}
+        for item in pending:  # one generate call takes one SamplingParams
+            sampling = item[1]
+            groups.setdefault((sampling.max_tokens, tuple(sampling.stop_token_ids or ())), []).append(item)
+        loop = asyncio.get_running_loop()
+        for items in groups.values():
+            self.flushes += 1
+            prompts, seed = [p for p, *_ in items], items[0][2]  # row i draws from (seed, i)
+            job = loop.run_in_executor(self.executor, self.generate_many, prompts, items[0][1], seed)
+            job.add_done_callback(lambda done, items=items: _deliver(done, [f for *_, f in items]))
+
+
+def _deliver(done: asyncio.Future, futures: list[asyncio.Future]) -> None:
+    error = done.exception()
+    for i, future in enumerate(futures):
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(done.result()[i])
 
 
 def cut_at_stop_strings(tokenizer: Any, tokens: list[int], logprobs: list[float], stops: list[str]) -> tuple[list[int], list[float]]:
@@ -188,7 +258,7 @@ def _in_own_loop(main: Callable[[], Any]) -> None:
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(exc)
 
-    thread = threading.Thread(target=target, name="agent-loop")
+    thread = threading.Thread(target=target, name="agent-loop", daemon=True)  # Ctrl-C must not wait for it
     thread.start()
     thread.join()
     if failure:
@@ -236,6 +306,8 @@ async def _play(agent: Callable, copies: list[_Copy], backend: PolicyBackend, ti
                 run.error, run.traceback = f"{name}: {type(exc).__name__}: {exc.message}", tb.format_exc()
             except Exception as exc:  # noqa: BLE001 - the agent's own failure ends only its episode
                 run.error, run.traceback = f"{name}: {type(exc).__name__}: {exc}", tb.format_exc()
+            finally:
+                backend.gather.agent_done()
 
         await asyncio.gather(*(play(run) for run in copies))
     finally:

@@ -1,6 +1,6 @@
 """The client side: decorators, run config, task sources, the training loop and the CLI.
 
-- `decorators`: `@env`, `@reward`;
+- `decorators`: `@env`, `@reward`, `@agent` (+ `AgentResult`); `agent_eval`: an agent against any OpenAI endpoint;
 - `config.TrainConfig`: every run setting, validated up front;
 - `tasks.TaskSource`: static lists, JSONL files, generator functions;
 - `advantages`: group-relative advantage estimators (GRPO, Dr.GRPO);
