@@ -4,10 +4,16 @@ Each call (a Tinker `sample`, `/v1/call/sample`, a rollout's turn) registers its
 `GenerationJob`s and then drives the shared batch until its own rows are done:
 
 * **Join at the next step.** Registered jobs wait for the driving thread's next step, where
-  they are prefilled together in a forward of their own (so a prompt never changes the running
-  rows' results) and their KV cache is merged into the running batch, left-padded to the longer
+  they are prefilled in forwards of their own (so a prompt never changes the running rows'
+  results) and their KV cache is merged into the running batch, left-padded to the longer
   cache; padding is masked and every row carries its own positions, so it takes no part in any
   row's result.
+* **Little prefill of padding.** The joining rows are prefilled in groups of similar length
+  (`kv_cache.length_buckets`), each left-padded only to its own longest row, so the padding
+  computed stays within `max_prefill_padding` of the real tokens (0: none at all).
+* **Only what is new.** A row that continues a `KVSession` starts from its kept keys/values
+  and prefills only the prompt tokens after them; when it finishes, its keys/values go back
+  into the session for the conversation's next turn.
 * **Leave when finished.** A row that stops is dropped from the cache at once.
 * **Mixed policies in one forward.** Rows of different LoRA adapters (and of the base model)
   go through one forward with peft's per-row `adapter_names`; a batch of one policy simply

@@ -15,6 +15,9 @@ The transformers engine decodes with its own loop over a `GenerationJob` rather 
 * **Resumable.** A job keeps its KV cache and per-row random generators between steps, so a
   server can pause it between slices and run other tenants' calls (`slicing`), and the
   continuous batcher (`batcher`) decodes the rows of every concurrent call's jobs in one batch.
+* **Conversations keep their KV cache across turns.** A call may pass one `KVSession` per prompt
+  (the agent loops do, one per episode or role): a row that finishes leaves its keys/values
+  there, and the conversation's next turn prefills only the tokens appended since (`kv_cache`).
 * **Reproducible.** Row i of a request draws from its own generator seeded by (seed, i): the
   same seed gives the same tokens whether the job is paused or not, whatever runs in between,
   and however the request is split into batches (up to floating-point differences of
