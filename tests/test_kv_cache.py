@@ -330,3 +330,51 @@ def test_length_buckets_bound_the_padding_of_every_group():
         for group in groups:
             real = sum(lengths[i] for i in group)
             assert len(group) * max(lengths[i] for i in group) - real <= ratio * real
+
+
+# -- what vLLM's prefix cache needs (vLLM itself runs only on a GPU) ------------------------------
+
+def test_each_turns_prompt_extends_the_last_turns_exact_tokens(kv_worker):
+    """vLLM's prefix cache hashes token blocks: a turn hits only if its prompt starts with the previous
+    prompt and the tokens sampled from it, id for id (no re-rendered chat template, no re-tokenizing)."""
+    engine, prompts = kv_worker.engine, []
+    real = engine.generate
+
+    def recording(batch, sampling, **kwargs):
+        generations = real(batch, sampling, **kwargs)
+        prompts.append([(list(p), list(g.tokens)) for p, g in zip(batch, generations)])
+        return generations
+
+    engine.generate = recording
+    try:
+        rollout(kv_worker)
+    finally:
+        del engine.generate
+    assert len(prompts) >= 3
+    for earlier, later in zip(prompts, prompts[1:]):
+        continued = 0
+        for prompt, _ in later:
+            previous = [p + t for p, t in earlier if prompt[: len(p) + len(t)] == p + t]
+            continued += bool(previous)
+        assert continued == len(later), "a turn's prompt does not extend its conversation's previous turn"
+
+
+def test_the_vllm_engine_keeps_one_lora_id_per_policy_version(monkeypatch):
+    """Same id across a rollout's turns (the prefix cache's blocks carry it), a new one after an update."""
+    import sys
+    import types
+
+    from tinkerless.functions.vllm_engine import VLLMEngine
+
+    lora = types.ModuleType("vllm.lora.request")
+    lora.LoRARequest = lambda name, int_id, path: (name, int_id, path)
+    for name, module in (("vllm", types.ModuleType("vllm")), ("vllm.lora", types.ModuleType("vllm.lora")),
+                         ("vllm.lora.request", lora)):
+        monkeypatch.setitem(sys.modules, name, module)
+    version = {"p": 1}
+    engine = object.__new__(VLLMEngine)  # no GPU here: only the request-building half
+    engine.adapter_dir, engine._lora_ids = (lambda policy: (f"/adapters/{policy}/v{version[policy]}", str(version[policy]))), {}
+    first, again = engine._lora_request("p"), engine._lora_request("p")
+    version["p"] = 2
+    updated = engine._lora_request("p")
+    assert first == again and updated[1] != first[1] and updated[2].endswith("v2")

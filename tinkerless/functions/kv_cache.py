@@ -96,8 +96,10 @@ class KVSessionStore:
         with self._lock:
             self._holding.discard(session)
             session.close()
-            if not self.enabled or sum(s.nbytes for s in list(self._holding)) + nbytes > self.max_bytes:
-                self.refused += self.enabled
+            if not self.enabled:
+                return False
+            if sum(s.nbytes for s in list(self._holding)) + nbytes > self.max_bytes:
+                self.refused += 1
                 return False
             session.tokens, session.layers, session.weights, session.nbytes = list(tokens), layers, weights, nbytes
             self._holding.add(session)
