@@ -301,7 +301,7 @@ def test_the_budget_holds_while_episodes_run(kv_worker):
 
 def test_prompts_are_prefilled_in_length_groups_with_bounded_padding_and_the_same_results(kv_worker):
     engine, batcher = kv_worker.engine, kv_worker.engine.batcher
-    prompts = [list(range(3, 3 + n)) for n in (30, 2, 17, 29, 5, 30, 16, 1)]
+    prompts = [list(range(3, 3 + n)) for n in (30, 2, 17, 29, 5, 31, 16, 1)]  # distinct: no two share a prefill
     sampling = SamplingParams(max_tokens=6, temperature=1.0, stop_token_ids=[])
     results, padding = {}, {}
     saved = engine.max_prefill_padding
@@ -314,7 +314,7 @@ def test_prompts_are_prefilled_in_length_groups_with_bounded_padding_and_the_sam
             assert batcher.prefilled_tokens == sum(map(len, prompts))
     finally:
         engine.max_prefill_padding = saved
-    assert padding[1e9] == 8 * 30 - sum(map(len, prompts))
+    assert padding[1e9] == 8 * 31 - sum(map(len, prompts))
     assert padding[0.125] <= 0.125 * sum(map(len, prompts)) and padding[0.0] == 0
     assert_same_generations(results[0.125], results[1e9])
     assert_same_generations(results[0.0], results[1e9])
@@ -378,3 +378,45 @@ def test_the_vllm_engine_keeps_one_lora_id_per_policy_version(monkeypatch):
     version["p"] = 2
     updated = engine._lora_request("p")
     assert first == again and updated[1] != first[1] and updated[2].endswith("v2")
+
+
+# -- one prefill for a group's identical prompts -------------------------------------------------
+
+def alone_rows(worker, prompts, sampling, seed, policy):
+    """Each row sampled by a job of its own (row i keeps its generator, seeded by (seed, i))."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        job = worker.engine.start([prompt], sampling, seed=seed, first_index=i)
+        with torch.no_grad(), worker._activate(policy):
+            while not job.done:
+                job.advance(worker.model)
+        out.append(job.results()[0])
+    return out
+
+
+def test_identical_prompts_of_one_policy_are_prefilled_once_and_still_sample_their_own_tokens(kv_worker):
+    p, q = [3, 4, 5, 6, 7], [9, 8]
+    prompts = [p, p, q, p, q, [3, 4, 5, 6]]
+    sampling = SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=[])
+    batcher = kv_worker.engine.batcher
+    batcher.prefilled_tokens = 0
+    got = kv_worker.engine.generate(prompts, sampling, policy="pa", seed=8)
+    assert batcher.prefilled_tokens == len(p) + len(q) + 4
+    assert [g.prefill_tokens for g in got] == [5, 0, 2, 0, 0, 4]
+    assert_same_generations(got, alone_rows(kv_worker, prompts, sampling, 8, "pa"))
+    assert len({tuple(g.tokens) for g in got[:2]}) == 2, "copies of one prompt drew the same tokens"
+
+
+def test_the_same_prompt_under_two_policies_is_prefilled_for_each(kv_worker):
+    """Two calls joining one prefill with the same prompt: each row goes through its own adapter."""
+    from tinkerless.functions.batcher import _Member
+
+    engine, sampling, prompt = kv_worker.engine, SamplingParams(max_tokens=6, temperature=1.0, stop_token_ids=[]), [5, 6, 7]
+    jobs = {policy: engine.start([prompt], sampling, seed=3) for policy in ("pa", "pb")}
+    engine.batcher._waiting.extend(_Member(job, policy, len(prompt) + 6) for policy, job in jobs.items())
+    with torch.no_grad():
+        while not all(job.done for job in jobs.values()):
+            engine.batcher.step()
+    for policy, job in jobs.items():
+        assert_same_generations(job.results(), alone_rows(kv_worker, [prompt], sampling, 3, policy))
+    assert jobs["pa"].results()[0].prefill_tokens == jobs["pb"].results()[0].prefill_tokens == 3

@@ -195,14 +195,29 @@ class Batcher:
         `max_prefill_padding` (one forward per group, each left-padded to its longest row; a row continuing
         a kept session starts from its cached keys/values), then draw each row's first token."""
         rows = [(m, row) for m in members for row in m.job.prefill_rows()]
-        groups = length_buckets([len(row.to_prefill) for _, row in rows], self.engine.max_prefill_padding)
-        parts = [self._prefill_group([rows[i] for i in group]) for group in groups]
+        # Rows with the same prompt and policy and nothing cached (a group's samples of one task) are prefilled
+        # once; each copy then decodes on its own, with its own generator.
+        unique: list[tuple[_Member, _Row]] = []
+        source: list[int] = []  # for each row, the unique row that computes its prefill
+        seen: dict[object, int] = {}
+        for i, (member, row) in enumerate(rows):
+            key = (member.policy, tuple(row.prompt)) if row.start is None else i
+            if key not in seen:
+                seen[key] = len(unique)
+                unique.append((member, row))
+            else:
+                row.shared_prefill = True
+            source.append(seen[key])
+        groups = length_buckets([len(row.to_prefill) for _, row in unique], self.engine.max_prefill_padding)
+        parts = [self._prefill_group([unique[i] for i in group]) for group in groups]
         self.most_jobs = max(self.most_jobs, len(members))
         order = [i for group in groups for i in group]
         if len(parts) == 1 and order == sorted(order):
             block, logits = parts[0]
         else:
-            block, logits = _assemble(parts, groups, len(rows))
+            block, logits = _assemble(parts, groups, len(unique))
+        if len(unique) < len(rows):
+            block, logits = _replicate(block, logits, source)
         block.members = members
         return self._draw(block, logits)
 
@@ -308,6 +323,14 @@ def _assemble(parts: list[tuple[_Block, torch.Tensor]], groups: list[list[int]],
             values[index, :, width - own :] = layer.values
     block = _Block([], DynamicCache(ddp_cache_data=layers), first.input.new_zeros((count, 1)), attention, positions)
     return block, logits
+
+
+def _replicate(block: _Block, logits: torch.Tensor, source: list[int]) -> tuple[_Block, torch.Tensor]:
+    """The block with row i a copy of row source[i] (rows that share one prefill)."""
+    index = torch.tensor(source, device=logits.device)
+    layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in block.cache.layers]
+    block = _Block([], DynamicCache(ddp_cache_data=layers), block.input[index], block.attention[index], block.positions[index])
+    return block, logits[index]
 
 
 def solo_batcher(job: GenerationJob) -> Batcher:

@@ -50,7 +50,7 @@ class Generation:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" (a stop token was drawn, and is the last token) | "length"
-    prefill_tokens: int = 0  # prompt tokens this call computed (the rest came from a cache)
+    prefill_tokens: int = 0  # prompt tokens this call computed for this row (0: a row with the same prompt did)
     cached_tokens: int = 0  # prompt tokens whose keys/values were reused (a kept session, a prefix cache)
 
 
@@ -80,6 +80,7 @@ class _Row:
     prompt: list[int]
     start: Continuation | None = None  # cached keys/values of the prompt's first tokens, until the prefill takes them
     cached: int = 0  # how many prompt tokens `start` covered
+    shared_prefill: bool = False  # another row of the same prefill had the same prompt and computed it
     session: KVSession | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -231,7 +232,8 @@ class GenerationJob:
 
     def results(self) -> list[Generation]:
         return [Generation(r.tokens, r.logprobs, r.stop_reason or "length",
-                           prefill_tokens=len(r.to_prefill) if r.tokens else 0, cached_tokens=r.cached)
+                           prefill_tokens=len(r.to_prefill) if r.tokens and not r.shared_prefill else 0,
+                           cached_tokens=r.cached)
                 for r in self.rows]
 
 
