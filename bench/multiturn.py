@@ -65,12 +65,15 @@ def run_child(args: argparse.Namespace) -> None:
             return result
         setattr(worker, method, counted)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="tinkerless-multiturn-") as storage:
-        result = tinkerless.train(config, backend=backend, storage=storage, run_id="bench")
+    if args.child == "gomoku_vs_random" and not args.train_gomoku:
+        metrics = rollouts_only(config, worker)
+    else:
+        with tempfile.TemporaryDirectory(prefix="tinkerless-multiturn-") as storage:
+            metrics = tinkerless.train(config, backend=backend, storage=storage, run_id="bench").metrics
     wall = time.perf_counter() - started
-    if len(calls) != len(result.metrics):
-        sys.exit(f"{len(calls)} rollout calls for {len(result.metrics)} steps: cannot tell the steps' modes apart")
-    measured = list(zip(result.metrics, calls))[1:]  # the first step warms up
+    if len(calls) != len(metrics):
+        sys.exit(f"{len(calls)} rollout calls for {len(metrics)} steps: cannot tell the steps' modes apart")
+    measured = list(zip(metrics, calls))[1:]  # the first step warms up
     for cache in sorted({call["cache"] for _, call in measured}):
         steps = [(m, c) for m, c in measured if c["cache"] == cache]
 
@@ -79,13 +82,64 @@ def run_child(args: argparse.Namespace) -> None:
 
         print("RESULT " + json.dumps({
             "example": args.child, "cache": cache, "steps": len(steps), "batch": f"{config.batch_size} x {config.group_size}",
-            "tokens_per_s": median("tokens_per_s"), "step_s": median("step_s"), "rollout_s": median("rollout_s"),
+            "tokens_per_s": median("tokens_per_s"), "step_s": median("step_s") if "step_s" in steps[0][0] else float("nan"),
+            "rollout_s": median("rollout_s"),
             "turns_mean": median("turns_mean"),
             "prefill_tokens": median("prefill_tokens", "calls"), "cached_prompt_tokens": median("cached_prompt_tokens", "calls"),
             "decoded_tokens": median("decoded_tokens", "calls"),
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "rewards": [round(m["reward_mean"], 3) for m, _ in steps], "wall_s": wall, "threads": worker.threads.threads,
+            "trained": "step_s" in steps[0][0],
         }), flush=True)
+
+
+def rollouts_only(config, worker) -> list[dict]:
+    """The training run's rollouts (its policy, tasks, seeds and seats) without the updates: per step, the
+    metrics a step record has of its rollout. For gomoku on a machine without memory for its update
+    (before the update's T x T memory is gone, about 15 GB)."""
+    import math
+    import random
+
+    from tinkerless.sdk.multi_agent import build_seats
+    from tinkerless.wire import pack_code
+    from tinkerless.wire.messages import (
+        CreatePolicyRequest,
+        EpisodeLimits,
+        LoraConfig,
+        MultiAgentRolloutRequest,
+        RolloutRequest,
+        SamplingParams,
+    )
+
+    env = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
+    seat_list = build_seats(config.agents) if config.agents else None
+    policies = {seat.policy for seats in seat_list or [] for seat in seats.values() if seat.trainable and seat.policy}
+    for i, policy in enumerate(sorted(policies) or ["default"]):
+        worker.create_policy(CreatePolicyRequest(policy, LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed + i)))
+    rng = random.Random(config.seed)
+    sampling = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p)
+    limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
+    out = []
+    for step in range(config.steps):
+        tasks = [config.tasks(rng) for _ in range(config.batch_size)]
+        seed = (config.seed * 1_000_003 + step * 7919) % (2**31 - 1)
+        started = time.perf_counter()
+        if seat_list:
+            episodes = [e for index, seats in enumerate(seat_list) for e in worker.rollout_multi(MultiAgentRolloutRequest(
+                tasks=tasks, group_size=config.group_size, env=env, seats=seats, sampling=sampling, limits=limits,
+                seed=seed + index, protocol_timeout=config.protocol_timeout)).episodes]
+        else:
+            reward = pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
+            episodes = worker.rollout(RolloutRequest(policy="default", tasks=tasks, group_size=config.group_size,
+                                                     sampling=sampling, limits=limits, seed=seed, env=env, reward=reward,
+                                                     system_prompt=config.system_prompt)).episodes
+        seconds = time.perf_counter() - started
+        sampled = float(sum(e.mask.sum() for e in episodes))
+        rewards = [e.reward for e in episodes if e.status != "error" and e.info.get("trainable", True)]
+        out.append({"tokens_per_s": sampled / seconds, "rollout_s": seconds, "sampled_tokens": sampled,
+                    "turns_mean": statistics.mean([e.num_turns for e in episodes]),
+                    "reward_mean": statistics.mean(rewards) if rewards else math.nan})
+    return out
 
 
 def main() -> None:
@@ -96,6 +150,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--gomoku-batch", default="own", help="'own' (its config's 2 x 4 games: the RSS target's) or 'same'")
     parser.add_argument("--separate", action="store_true", help="each cache mode in a process of its own")
+    parser.add_argument("--train-gomoku", action="store_true",
+                        help="train gomoku (its update needs ~15 GB before T x T attention memory is gone); default: its rollouts only")
     parser.add_argument("--only", nargs="*", default=list(EXAMPLES), help="examples to run (names as printed)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="interleaved", help=argparse.SUPPRESS)
@@ -120,6 +176,7 @@ def main() -> None:
             env["TINKERLESS_KV_CACHE"] = "0"
         command = [sys.executable, __file__, "--child", name, "--mode", mode, "--steps", str(args.steps),
                    "--model", args.model, "--batch-size", str(batch[0]), "--group-size", str(batch[1])]
+        command += ["--train-gomoku"] if args.train_gomoku else []
         loads.append(os.getloadavg()[0])
         out = subprocess.run(command, env=env, capture_output=True, text=True)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
@@ -140,7 +197,8 @@ def main() -> None:
     for r in results:
         ratio = f"{r['tokens_per_s'] / single[r['batch']]:.2f}" if r["batch"] in single else "-"
         mode = "-" if r["example"] == SINGLE_TURN else ("on" if r["cache"] else "off")
-        print(f"| {r['example']} | {r['batch']} | {mode} | {r['steps']} | {r['tokens_per_s']:.1f} | {ratio} | {r['step_s']:.1f} | "
+        step_s = f"{r['step_s']:.1f}" if r.get("trained", True) else "(rollouts only)"
+        print(f"| {r['example']} | {r['batch']} | {mode} | {r['steps']} | {r['tokens_per_s']:.1f} | {ratio} | {step_s} | "
               f"{r['rollout_s']:.1f} | {r['turns_mean']:.1f} | {r['prefill_tokens']:.0f} / {r['cached_prompt_tokens']:.0f} / "
               f"{r['decoded_tokens']:.0f} | {r['peak_rss_gb']:.2f} | {r['rewards']} |")
 
