@@ -21,7 +21,8 @@ import numpy as np
 from tinkerless.envs.base import StepResult, as_step_result, check_reward
 from tinkerless.errors import DatasetError, TinkerlessError
 from tinkerless.functions.chat import ChatFormat
-from tinkerless.functions.engine import Engine
+from tinkerless.functions.engine import Engine, Generation
+from tinkerless.functions.kv_cache import KVSession
 from tinkerless.functions.user_code import call_each
 from tinkerless.wire.messages import Episode, EpisodeLimits, SamplingParams
 
@@ -49,6 +50,7 @@ class _Run:
     error: str | None = None
     traceback: str | None = None
     info: dict = field(default_factory=dict)
+    session: KVSession | None = None  # its KV cache between turns, in the engine that keeps one
 
     def fail(self, where: str, exc: BaseException) -> None:
         self.status = "error"
@@ -60,6 +62,33 @@ class _Run:
         self.tokens.extend(tokens)
         self.mask.extend([1.0 if sampled else 0.0] * len(tokens))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
+
+
+@dataclass
+class TokenCounts:
+    """A rollout's generation work: prompt tokens prefilled and reused from kept caches, tokens decoded."""
+
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    decoded_tokens: int = 0
+
+    def add(self, generations: list[Generation]) -> None:
+        for generation in generations:
+            self.prefill_tokens += generation.prefill_tokens
+            self.cached_tokens += generation.cached_tokens
+            self.decoded_tokens += len(generation.tokens)
+
+    def as_stats(self) -> dict[str, float]:
+        return {"prefill_tokens": float(self.prefill_tokens), "cached_prompt_tokens": float(self.cached_tokens),
+                "decoded_tokens": float(self.decoded_tokens)}
+
+
+def close_sessions(runs) -> None:
+    """Free the kept caches of conversations that will not continue (all of them when `runs` is every run)."""
+    for run in runs:
+        if run.session is not None:
+            run.session.close()
+            run.session = None
 
 
 def _traceback_of(exc: BaseException) -> str:
@@ -112,8 +141,19 @@ def run_episodes(
     env_cls: Any = None,
     reward_fn: Callable | None = None,
     system_prompt: str | None = None,
+    counts: TokenCounts | None = None,
 ) -> list[Episode]:
+    """Run every episode to its end; `counts` (if given) adds up the generation work."""
     runs = [_Run(task_index=i, task=task) for i, task in enumerate(tasks) for _ in range(group_size)]
+    try:
+        return _run_episodes(engine, chat, runs, policy=policy, sampling=sampling, limits=limits, seed=seed,
+                             env_cls=env_cls, reward_fn=reward_fn, system_prompt=system_prompt,
+                             counts=counts if counts is not None else TokenCounts())
+    finally:
+        close_sessions(runs)
+
+
+def _run_episodes(engine, chat, runs, *, policy, sampling, limits, seed, env_cls, reward_fn, system_prompt, counts):
     env_name = _env_name(env_cls) if env_cls is not None else None
 
     for run in runs:  # PENDING → GENERATING
@@ -130,6 +170,8 @@ def run_episodes(
         run.append(chat.prompt_tokens(messages), sampled=False)
         run.prompt_length = len(run.tokens)
         run.state = EpisodeState.GENERATING
+        if env_cls is not None and limits.max_turns > 1:  # a conversation that may continue keeps its KV cache
+            run.session = KVSession()
 
     turn = 0
     while True:
@@ -143,9 +185,12 @@ def run_episodes(
             top_p=sampling.top_p,
             top_k=sampling.top_k,
         )
+        sessions = [r.session for r in active]
         generations = engine.generate(
-            [r.tokens for r in active], turn_sampling, policy=policy, seed=seed * 1_000_003 + turn
+            [r.tokens for r in active], turn_sampling, policy=policy, seed=seed * 1_000_003 + turn,
+            sessions=sessions if all(s is not None for s in sessions) else None,
         )
+        counts.add(generations)
         turn += 1
         texts, last_tokens = [], []
         for run, generation, budget in zip(active, generations, budgets):
@@ -159,6 +204,7 @@ def run_episodes(
         stepped = call_each([r.env for r in active], "step", [(t,) for t in texts]) if env_cls is not None else None
         for i, run in enumerate(active):
             _interact(run, texts[i], last_tokens[i], env_name, chat, limits, stepped[i] if stepped is not None else _NOT_STEPPED)
+        close_sessions(r for r in active if r.state is not EpisodeState.GENERATING)  # finished: free their caches
 
     scored = [r for r in runs if r.status != "error"] if reward_fn is not None else []
     rewards = call_each([reward_fn] * len(scored), "", [(_completion(r, env_cls is None), r.task) for r in scored])

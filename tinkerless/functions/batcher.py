@@ -4,10 +4,16 @@ Each call (a Tinker `sample`, `/v1/call/sample`, a rollout's turn) registers its
 `GenerationJob`s and then drives the shared batch until its own rows are done:
 
 * **Join at the next step.** Registered jobs wait for the driving thread's next step, where
-  they are prefilled together in a forward of their own (so a prompt never changes the running
-  rows' results) and their KV cache is merged into the running batch, left-padded to the longer
+  they are prefilled in forwards of their own (so a prompt never changes the running rows'
+  results) and their KV cache is merged into the running batch, left-padded to the longer
   cache; padding is masked and every row carries its own positions, so it takes no part in any
   row's result.
+* **Little prefill of padding.** The joining rows are prefilled in groups of similar length
+  (`kv_cache.length_buckets`), each left-padded only to its own longest row, so the padding
+  computed stays within `max_prefill_padding` of the real tokens (0: none at all).
+* **Only what is new.** A row that continues a `KVSession` starts from its kept keys/values
+  and prefills only the prompt tokens after them; when it finishes, its keys/values go back
+  into the session for the conversation's next turn.
 * **Leave when finished.** A row that stops is dropped from the cache at once.
 * **Mixed policies in one forward.** Rows of different LoRA adapters (and of the base model)
   go through one forward with peft's per-row `adapter_names`; a batch of one policy simply
@@ -36,11 +42,12 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from tinkerless.functions.kv_cache import KVSession, length_buckets, row_layers
 from tinkerless.functions.slicing import join_due, slice_due, yield_slice
 from tinkerless.wire.messages import SamplingParams
 
 if TYPE_CHECKING:
-    from tinkerless.functions.engine import Generation, GenerationJob, TransformersEngine
+    from tinkerless.functions.engine import Generation, GenerationJob, TransformersEngine, _Row
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 
@@ -88,19 +95,28 @@ class Batcher:
         # False: a generation does not pause for queued calls to join it (they wait for it to end or for
         # a time slice), so calls decode one after another: the "before" of bench/batching.py.
         self.join_queued_calls = True
-        self.steps = 0  # forwards run, prefills included (a statistic for tests and benchmarks)
+        # Statistics for tests and benchmarks.
+        self.steps = 0  # forwards run, prefills included
         self.widest = 0  # the most rows one forward has decoded together
         self.most_jobs = 0  # the most jobs (parts of requests) one forward has decoded together
+        self.prefilled_tokens = 0  # prompt tokens computed by prefills
+        self.padding_tokens = 0  # padding positions computed by prefills (left-padding within a length group)
+        self.cached_tokens = 0  # prompt tokens not prefilled: their keys/values came from a kept session
+        self.decoded_tokens = 0  # tokens fed by decode steps
 
     @property
     def rows(self) -> int:
         return self._running.rows if self._running is not None else 0
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int
+        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
+        sessions: list[KVSession] | None = None,
     ) -> list[Generation]:
         engine = self.engine
-        jobs = [engine.start(prompts[start:end], sampling, seed=seed, first_index=start)
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts")
+        jobs = [engine.start(prompts[start:end], sampling, seed=seed, first_index=start, policy=policy,
+                             sessions=sessions[start:end] if sessions is not None else None)
                 for start, end in engine.batches(prompts, sampling.max_tokens)]
         with self._lock:
             self._waiting.extend(_Member(job, policy, job.prompt_width + sampling.max_tokens)
@@ -123,13 +139,13 @@ class Batcher:
     # -- one shared step -------------------------------------------------------------
 
     def step(self) -> None:
-        """Decode one token for every running row, then prefill (in one forward) the waiting jobs that fit."""
+        """Decode one token for every running row, then prefill the waiting jobs that fit (grouped by length)."""
         with self._lock:
             if self._running is not None:
-                self._running = self._forward_or_fail(self._running)
+                self._running = self._guarded(self._running.members, self._forward, self._running)
             joining = self._take_waiting()
             if joining:
-                block = self._forward_or_fail(self._prefill_block(joining))
+                block = self._guarded(joining, self._prefill, joining)
                 if block is not None and self._running is None:
                     self._running = block
                 elif block is not None:
@@ -150,55 +166,117 @@ class Batcher:
             rows, reach = grown_rows, grown_reach
         return taken
 
-    def _forward_or_fail(self, block: _Block) -> _Block | None:
-        """`_forward`; if it raises, every job of the block fails with that error (each caller raises it),
+    def _guarded(self, members: list[_Member], forward, *args) -> _Block | None:
+        """`forward(*args)`; if it raises, every job of `members` fails with that error (each caller raises it),
         so one bad step cannot wedge the shared batch for the others."""
         try:
-            return self._forward(block)
+            return forward(*args)
         except Exception as exc:  # noqa: BLE001 - handed to the calls whose rows were in the block
-            for member in block.members:
+            for member in members:
                 member.job.fail(exc)
             return None
 
-    def _prefill_block(self, members: list[_Member]) -> _Block:
-        inputs = [m.job.prompt_inputs() for m in members]
-        width = max(ids.shape[1] for ids, _, _ in inputs)
-        return _Block(
-            members, None,
-            torch.cat([_left_pad(ids, width, -1) for ids, _, _ in inputs]),  # pads are masked: any id does
-            torch.cat([_left_pad(mask, width, -1) for _, mask, _ in inputs]),
-            torch.cat([_left_pad(pos, width, -1) for _, _, pos in inputs]),
-        )
-
-    def _forward(self, block: _Block) -> _Block | None:
-        """One forward over `block` (a prefill when it has no cache yet), one token drawn per row;
-        finished rows leave. None when no row is left."""
-        engine = self.engine
-        kwargs = {}
-        policies = {m.policy for m in block.members}
-        if len(policies) == 1:
-            context = engine.activate_policy(next(iter(policies)))
+    def _run_model(self, policies: list[str | None], **inputs):
+        """One forward of rows whose policies are `policies` (one per row)."""
+        engine, kwargs = self.engine, {}
+        if len(set(policies)) == 1:
+            context = engine.activate_policy(policies[0])
         else:  # rows of several adapters: one forward, each row through its own
             context = contextlib.nullcontext()
-            kwargs["adapter_names"] = [engine.adapter_name(m.policy) for m in block.members
-                                       for _ in range(m.job.active_rows)]
+            kwargs["adapter_names"] = [engine.adapter_name(p) for p in policies]
         with context:
-            out = engine.model(
-                input_ids=block.input, attention_mask=block.attention, position_ids=block.positions,
-                past_key_values=block.cache if block.cache is not None else DynamicCache(),
-                use_cache=True, logits_to_keep=1, **kwargs,
-            )
-        block.cache = out.past_key_values
+            out = engine.model(**inputs, use_cache=True, logits_to_keep=1, **kwargs)
         self.steps += 1
-        self.widest = max(self.widest, block.input.shape[0])
+        self.widest = max(self.widest, inputs["input_ids"].shape[0])
+        return out
+
+    def _prefill(self, members: list[_Member]) -> _Block | None:
+        """Prefill the members' rows, grouped by the length left to prefill so that padding stays within
+        `max_prefill_padding` (one forward per group, each left-padded to its longest row; a row continuing
+        a kept session starts from its cached keys/values), then draw each row's first token."""
+        rows = [(m, row) for m in members for row in m.job.prefill_rows()]
+        # Rows with the same prompt and policy and nothing cached (a group's samples of one task) are prefilled
+        # once; each copy then decodes on its own, with its own generator.
+        unique: list[tuple[_Member, _Row]] = []
+        source: list[int] = []  # for each row, the unique row that computes its prefill
+        seen: dict[object, int] = {}
+        for i, (member, row) in enumerate(rows):
+            key = (member.policy, tuple(row.prompt)) if row.start is None else i
+            if key not in seen:
+                seen[key] = len(unique)
+                unique.append((member, row))
+            else:
+                row.shared_prefill = True
+            source.append(seen[key])
+        groups = length_buckets([len(row.to_prefill) for _, row in unique], self.engine.max_prefill_padding)
+        parts = [self._prefill_group([unique[i] for i in group]) for group in groups]
+        self.most_jobs = max(self.most_jobs, len(members))
+        order = [i for group in groups for i in group]
+        if len(parts) == 1 and order == sorted(order):
+            block, logits = parts[0]
+        else:
+            block, logits = _assemble(parts, groups, len(unique))
+        if len(unique) < len(rows):
+            block, logits = _replicate(block, logits, source)
+        block.members = members
+        return self._draw(block, logits)
+
+    def _prefill_group(self, rows: list[tuple[_Member, _Row]]) -> tuple[_Block, torch.Tensor]:
+        device = self.engine.device
+        width = max(len(row.to_prefill) for _, row in rows)
+        past = max(row.cached for _, row in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)  # pads are masked: any id does
+        attention = torch.zeros((len(rows), past + width), dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (_, row) in enumerate(rows):
+            suffix, cached = row.to_prefill, row.cached
+            ids[i, width - len(suffix):] = torch.tensor(suffix, dtype=torch.long)
+            attention[i, past - cached : past] = 1
+            attention[i, past + width - len(suffix):] = 1
+            positions[i, width - len(suffix):] = torch.arange(cached, cached + len(suffix))
+        cache = DynamicCache()
+        if past:  # the kept caches, left-padded to the longest (masked)
+            cache = DynamicCache(ddp_cache_data=[
+                (torch.stack([_left_pad(row.start.layers[layer][0], past, -2) if row.start else _zeros_like_kv(rows, layer, 0, past)
+                              for _, row in rows]),
+                 torch.stack([_left_pad(row.start.layers[layer][1], past, -2) if row.start else _zeros_like_kv(rows, layer, 1, past)
+                              for _, row in rows]))
+                for layer in range(len(next(row.start for _, row in rows if row.start).layers))
+            ])
+        for _, row in rows:
+            row.start = None  # the keys/values now live in the batch
+        real = sum(len(row.to_prefill) for _, row in rows)
+        self.prefilled_tokens += real
+        self.padding_tokens += len(rows) * width - real
+        self.cached_tokens += sum(row.cached for _, row in rows)
+        out = self._run_model([m.policy for m, _ in rows], input_ids=ids.to(device), attention_mask=attention.to(device),
+                              position_ids=positions.to(device), past_key_values=cache)
+        block = _Block([], out.past_key_values, ids[:, -1:].to(device), attention.to(device), positions[:, -1:].to(device))
+        return block, out.logits[:, -1, :].float()
+
+    def _forward(self, block: _Block) -> _Block | None:
+        """One decode step over the running block, one token drawn per row; finished rows leave. None when no row is left."""
+        policies = [m.policy for m in block.members for _ in range(m.job.active_rows)]
+        out = self._run_model(policies, input_ids=block.input, attention_mask=block.attention,
+                              position_ids=block.positions, past_key_values=block.cache)
+        self.decoded_tokens += block.input.shape[0]
         self.most_jobs = max(self.most_jobs, len(block.members))
-        logits = out.logits[:, -1, :].float()
+        block.cache = out.past_key_values
+        return self._draw(block, out.logits[:, -1, :].float())
+
+    def _draw(self, block: _Block, logits: torch.Tensor) -> _Block | None:
+        """Each member draws its rows' next tokens from `logits`; finished rows leave the batch (a row with a
+        session leaves its keys/values there first)."""
         keep: list[int] = []
         picks: list[int] = []
         offset = 0
         for member in block.members:
             count = member.job.active_rows
             kept, drawn = member.job.choose(logits[offset : offset + count])
+            for position in sorted(set(range(count)) - set(kept)):
+                row = offset + position
+                member.job.finished(position, int(block.attention[row].sum()),
+                                    lambda row=row: row_layers(block.cache.layers, row, block.attention[row]))
             keep.extend(offset + k for k in kept)
             picks.extend(drawn)
             offset += count
@@ -214,6 +292,71 @@ class Batcher:
         block.attention = torch.cat([block.attention, block.attention.new_ones((len(keep), 1))], dim=1)
         block.positions = block.positions[:, -1:] + 1
         return block
+
+
+def _zeros_like_kv(rows, layer: int, which: int, width: int) -> torch.Tensor:
+    """Masked stand-in keys/values for a row without a kept cache, in a group where others have one."""
+    like = next(row.start for _, row in rows if row.start).layers[layer][which]
+    return like.new_zeros((like.shape[0], width, like.shape[2]))
+
+
+def _assemble(parts: list[tuple[_Block, torch.Tensor]], groups: list[list[int]], count: int) -> tuple[_Block, torch.Tensor]:
+    """One block (and logits) of `count` rows from per-group prefills: group g's rows go to the indices
+    `groups[g]`, every row's cache left-padded to the widest (masked)."""
+    width = max(block.attention.shape[1] for block, _ in parts)
+    first, first_logits = parts[0]
+    device = first_logits.device
+    attention = first.attention.new_zeros((count, width))
+    positions = first.positions.new_zeros((count, 1))
+    logits = first_logits.new_empty((count, first_logits.shape[1]))
+    layers = [(layer.keys.new_zeros((count, layer.keys.shape[1], width, layer.keys.shape[3])),
+               layer.values.new_zeros((count, layer.values.shape[1], width, layer.values.shape[3])))
+              for layer in first.cache.layers]
+    for (block, part_logits), group in zip(parts, groups):
+        index = torch.tensor(group, device=device)
+        own = block.attention.shape[1]
+        attention[index, width - own :] = block.attention
+        positions[index] = block.positions[:, -1:]
+        logits[index] = part_logits
+        for (keys, values), layer in zip(layers, block.cache.layers):
+            keys[index, :, width - own :] = layer.keys
+            values[index, :, width - own :] = layer.values
+    block = _Block([], DynamicCache(ddp_cache_data=layers), first.input.new_zeros((count, 1)), attention, positions)
+    return block, logits
+
+
+def _replicate(block: _Block, logits: torch.Tensor, source: list[int]) -> tuple[_Block, torch.Tensor]:
+    """The block with row i a copy of row source[i] (rows that share one prefill)."""
+    index = torch.tensor(source, device=logits.device)
+    layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in block.cache.layers]
+    block = _Block([], DynamicCache(ddp_cache_data=layers), block.input[index], block.attention[index], block.positions[index])
+    return block, logits[index]
+
+
+def solo_batcher(job: GenerationJob) -> Batcher:
+    """A private batcher that runs `job` alone with the model its caller activated (`GenerationJob.advance`)."""
+    engine = _SoloEngine(job.device)
+    batcher = Batcher(engine)  # type: ignore[arg-type]
+    batcher._waiting.append(_Member(job, None, job.prompt_width + job.sampling.max_tokens))
+    return batcher
+
+
+class _SoloEngine:
+    """What a `Batcher` needs of an engine, for one job whose caller has activated the policy already."""
+
+    max_batch_size = 1 << 30
+    max_batch_positions = 1 << 62
+    max_prefill_padding = 0.0
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.model = None
+
+    def activate_policy(self, _policy):
+        return contextlib.nullcontext()
+
+    def adapter_name(self, policy):
+        return policy or BASE_ADAPTER
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:

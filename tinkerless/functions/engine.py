@@ -15,6 +15,9 @@ The transformers engine decodes with its own loop over a `GenerationJob` rather 
 * **Resumable.** A job keeps its KV cache and per-row random generators between steps, so a
   server can pause it between slices and run other tenants' calls (`slicing`), and the
   continuous batcher (`batcher`) decodes the rows of every concurrent call's jobs in one batch.
+* **Conversations keep their KV cache across turns.** A call may pass one `KVSession` per prompt
+  (the agent loops do, one per episode or role): a row that finishes leaves its keys/values
+  there, and the conversation's next turn prefills only the tokens appended since (`kv_cache`).
 * **Reproducible.** Row i of a request draws from its own generator seeded by (seed, i): the
   same seed gives the same tokens whether the job is paused or not, whatever runs in between,
   and however the request is split into batches (up to floating-point differences of
@@ -32,10 +35,14 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from tinkerless.errors import UserError
 from tinkerless.functions.batcher import BASE_ADAPTER, Batcher
+from tinkerless.functions.kv_cache import DEFAULT_MAX_SESSION_BYTES, Continuation, KVSession, KVSessionStore
 from tinkerless.wire.messages import SamplingParams
 
 # Rows x (prompt + max_tokens) positions one batch may hold in its KV cache (~3 GB for SmolLM2-135M in fp32).
 DEFAULT_MAX_BATCH_POSITIONS = 65536
+# Prompts are prefilled in groups of similar length, each left-padded to its longest: at most this much padding
+# per real token (a prefill of padding costs as much as one of real tokens; more groups cost more forwards).
+DEFAULT_MAX_PREFILL_PADDING = 0.125
 
 
 @dataclass
@@ -43,15 +50,22 @@ class Generation:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" (a stop token was drawn, and is the last token) | "length"
+    prefill_tokens: int = 0  # prompt tokens this call computed for this row (0: a row with the same prompt did)
+    cached_tokens: int = 0  # prompt tokens whose keys/values were reused (a kept session, a prefix cache)
 
 
 class Engine(Protocol):
     name: str
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int
+        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
+        sessions: list[KVSession] | None = None,
     ) -> list[Generation]:
-        """Sample one continuation per prompt (repeat a prompt for several samples)."""
+        """Sample one continuation per prompt (repeat a prompt for several samples).
+
+        `sessions` (one per prompt): the conversations the prompts continue, whose KV caches an engine
+        may keep between calls (`kv_cache`); an engine without that (vLLM caches prefixes itself) ignores them.
+        """
         ...
 
 
@@ -63,17 +77,26 @@ def row_seed(seed: int, index: int) -> int:
 @dataclass
 class _Row:
     generator: torch.Generator
+    prompt: list[int]
+    start: Continuation | None = None  # cached keys/values of the prompt's first tokens, until the prefill takes them
+    cached: int = 0  # how many prompt tokens `start` covered
+    shared_prefill: bool = False  # another row of the same prefill had the same prompt and computed it
+    session: KVSession | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
 
+    @property
+    def to_prefill(self) -> list[int]:
+        return self.prompt[self.cached :]
+
 
 class GenerationJob:
-    """A batch of sequences mid-decode: KV cache, per-row generators, what each row has drawn.
+    """A batch of sequences to decode: per-row prompts (and cached starts), generators, what each row has drawn.
 
-    `advance(model)` runs one step (the prefill first) with whatever adapter the caller
-    activated; between steps the job holds no reference to the model, so the caller may
-    deactivate its adapter and let other work use the model.
+    A `Batcher` prefills and decodes its rows, alone or with other jobs' rows, calling `choose` with their
+    logits. `advance(model)` runs one step of the job alone (the prefill first) with whatever adapter the
+    caller activated; between steps the job holds no reference to the model.
     """
 
     def __init__(
@@ -84,28 +107,29 @@ class GenerationJob:
         stop_ids: list[int],
         seed: int,
         first_index: int,
-        pad_id: int,
         device: torch.device,
+        sessions: list[KVSession | None] | None = None,
+        store: KVSessionStore | None = None,
+        weights: object = None,
     ):
         if any(not prompt for prompt in prompts):
             raise UserError("a prompt to sample from is empty", hint="send at least one token per prompt")
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts")
         self.sampling = sampling
         self.stop_ids = set(stop_ids)
         self.device = device
+        self.store, self.weights = store, weights
         self.rows = [
-            _Row(torch.Generator(device=device).manual_seed(row_seed(seed, first_index + i))) for i in range(len(prompts))
+            _Row(torch.Generator(device=device).manual_seed(row_seed(seed, first_index + i)), list(prompt),
+                 session=sessions[i] if sessions is not None and store is not None else None)
+            for i, prompt in enumerate(prompts)
         ]
-        width = max(len(p) for p in prompts)
-        self._input = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        self._attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):  # left padding: every row continues from the right edge
-            self._input[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            self._attention[i, width - len(prompt) :] = 1
-        self._input, self._attention = self._input.to(device), self._attention.to(device)
-        self._positions = (self._attention.cumsum(-1) - 1).clamp(min=0)
-        self._active = list(range(len(prompts)))  # job rows still decoding, in KV-cache batch order
+        self.prompt_width = max((len(p) for p in prompts), default=0)  # KV positions of the longest prompt
+        self._active = list(range(len(prompts)))  # job rows still decoding, in batch order
+        self._finished: list[int] = []  # the rows active at the last draw
         self.error: Exception | None = None
-        self._cache: DynamicCache | None = None
+        self._solo = None  # the private batcher of `advance`
         self._warpers = []
         if sampling.temperature > 0:
             if sampling.top_k and sampling.top_k > 0:
@@ -116,41 +140,42 @@ class GenerationJob:
             for row in self.rows:
                 row.stop_reason = "length"
             self._active = []
+            return
+        for row in self.rows:  # a session's cache moves into the job (the session is empty until the row ends)
+            if row.session is not None:
+                row.start = store.take(row.session, row.prompt, weights)
+                row.cached = row.start.length if row.start is not None else 0
 
     @property
     def done(self) -> bool:
         return not self._active
 
     def advance(self, model) -> None:
-        """One decoding step for every active row (call under torch.no_grad with the policy active)."""
+        """One decoding step of this job alone (call under torch.no_grad with the policy active)."""
         if self.done:
             return
-        if self._cache is None:
-            self._cache = DynamicCache()
-        out = model(
-            input_ids=self._input,
-            attention_mask=self._attention,
-            position_ids=self._positions,
-            past_key_values=self._cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self._cache = out.past_key_values
-        self._draw(out.logits[:, -1, :].float())
+        if self._solo is None:
+            from tinkerless.functions.batcher import solo_batcher
 
-    def _draw(self, logits: torch.Tensor) -> None:
-        keep, picks = self.choose(logits)
-        if len(keep) < self._attention.shape[0]:  # finished rows leave the batch: nothing is decoded (or padded) after them
-            if keep:
-                self._cache.batch_select_indices(torch.tensor(keep, device=self.device))
-            self._attention = self._attention[keep]
-            self._positions = self._positions[keep]
-        if not keep:
-            self._cache = None  # free the KV cache now, not when the job is dropped
+            self._solo = solo_batcher(self)
+        self._solo.engine.model = model
+        self._solo.step()
+        if self._solo.rows == 0:
+            self._solo = None  # free the KV cache now, not when the job is dropped
+        if self.error is not None:
+            raise self.error
+
+    def prefill_rows(self) -> list[_Row]:
+        """The rows to prefill, in batch order (before any decoding: every row is active)."""
+        return [self.rows[r] for r in self._active]
+
+    def finished(self, position: int, covered: int, layers: Callable[[], list]) -> None:
+        """The row at `position` among the rows active before the last `choose` has ended, with `covered` KV
+        positions (prompt and drawn tokens but the last); keep its cache in its session, if it has one."""
+        row = self.rows[self._finished[position]]
+        if row.session is None or self.store is None or covered != len(row.prompt) + len(row.tokens) - 1:
             return
-        self._input = torch.tensor(picks, dtype=torch.long, device=self.device)[:, None]
-        self._attention = torch.cat([self._attention, self._attention.new_ones((len(keep), 1))], dim=1)
-        self._positions = self._positions[:, -1:] + 1
+        self.store.keep(row.session, row.prompt + row.tokens[:-1], layers(), self.weights)
 
     def choose(self, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Draw one token for each active row from `logits` (one line per active row, in order) and record it.
@@ -179,6 +204,7 @@ class GenerationJob:
                 row.stop_reason = "length"
             else:
                 keep.append(b)
+        self._finished = self._active  # `finished` reads the rows that were active at this draw
         self._active = [self._active[b] for b in keep]
         return keep, [picks[b] for b in keep]
 
@@ -186,22 +212,11 @@ class GenerationJob:
     def active_rows(self) -> int:
         return len(self._active)
 
-    @property
-    def prompt_width(self) -> int:
-        return self._attention.shape[1] if self._cache is None else 0
-
     def fail(self, error: Exception) -> None:
         """End the job with `error` (its shared batch's forward raised): no row decodes further."""
         self.error = error
         self._active = []
-        self._cache = None
-
-    def prompt_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Input ids, attention mask and positions of the (left-padded) prompts, for a shared batch that
-        prefills and decodes this job's rows from now on, calling `choose` with their logits."""
-        if self._cache is not None:
-            raise RuntimeError("this job has started decoding on its own; a shared batch cannot take it over")
-        return self._input, self._attention, self._positions
+        self._solo = None
 
     def _sample(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per active row by inverse CDF, with one uniform draw from each row's own generator
@@ -216,7 +231,10 @@ class GenerationJob:
         return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
 
     def results(self) -> list[Generation]:
-        return [Generation(r.tokens, r.logprobs, r.stop_reason or "length") for r in self.rows]
+        return [Generation(r.tokens, r.logprobs, r.stop_reason or "length",
+                           prefill_tokens=len(r.to_prefill) if r.tokens and not r.shared_prefill else 0,
+                           cached_tokens=r.cached)
+                for r in self.rows]
 
 
 class TransformersEngine:
@@ -233,6 +251,8 @@ class TransformersEngine:
         max_batch_size: int = 64,
         max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
         adapter_of: Callable[[str | None], str] | None = None,
+        max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES,
+        max_prefill_padding: float = DEFAULT_MAX_PREFILL_PADDING,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -240,8 +260,10 @@ class TransformersEngine:
         self.activate_policy = activate_policy  # returns a context manager
         self.max_batch_size = max_batch_size
         self.max_batch_positions = max_batch_positions
+        self.max_prefill_padding = max_prefill_padding
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
         self.adapter_of = adapter_of  # policy -> peft adapter name, for batches that mix policies
+        self.sessions = KVSessionStore(max_session_bytes)  # conversations' caches kept between turns
         self.batcher = Batcher(self)
 
     @property
@@ -253,11 +275,27 @@ class TransformersEngine:
         return list(self.eos_token_ids) if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
 
     def start(
-        self, prompts: list[list[int]], sampling: SamplingParams, *, seed: int, first_index: int = 0
+        self, prompts: list[list[int]], sampling: SamplingParams, *, seed: int, first_index: int = 0,
+        sessions: list[KVSession] | None = None, policy: str | None = None,
     ) -> GenerationJob:
-        """A job for `prompts`, whose rows are rows first_index.. of a request seeded with `seed`."""
-        return GenerationJob(prompts, sampling, stop_ids=self.stop_ids(sampling), seed=seed,
-                             first_index=first_index, pad_id=self.pad_id, device=self.device)
+        """A job for `prompts`, whose rows are rows first_index.. of a request seeded with `seed`; with
+        `sessions`, rows continue their conversations' kept caches (computed by `policy`'s weights)."""
+        use_sessions = sessions is not None and self.sessions.enabled
+        return GenerationJob(prompts, sampling, stop_ids=self.stop_ids(sampling), seed=seed, first_index=first_index,
+                             device=self.device, sessions=sessions if use_sessions else None,
+                             store=self.sessions if use_sessions else None,
+                             weights=self.weights_tag(policy) if use_sessions else None)
+
+    def weights_tag(self, policy: str | None) -> object:
+        """What identifies the weights `policy` samples with now: its adapter and the storage and in-place
+        version of each of its LoRA tensors (an optimizer step, a load or a reset bumps them). A kept cache
+        is reused only under the same tag: keys/values of other weights would not be this policy's."""
+        adapter = self.adapter_name(policy)
+        if adapter == BASE_ADAPTER:
+            return (adapter,)
+        marker = f".{adapter}."
+        return (adapter, *((p.data_ptr(), p._version) for n, p in self.model.named_parameters()
+                           if "lora_" in n and marker in n))
 
     def batches(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[int, int]]:
         """(start, end) of consecutive batches within max_batch_size rows and max_batch_positions KV positions."""
@@ -278,7 +316,8 @@ class TransformersEngine:
         return self.adapter_of(policy) if self.adapter_of is not None else (policy or BASE_ADAPTER)
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int
+        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
+        sessions: list[KVSession] | None = None,
     ) -> list[Generation]:
         """Sample, in one batch with every other generate call running at the time (`batcher`)."""
-        return self.batcher.generate(prompts, sampling, policy=policy, seed=seed)
+        return self.batcher.generate(prompts, sampling, policy=policy, seed=seed, sessions=sessions)

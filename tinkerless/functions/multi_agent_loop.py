@@ -18,9 +18,10 @@ from typing import Any, Callable
 from tinkerless.coordinator.protocol import TurnKeeper
 from tinkerless.envs.base import MultiStepResult, check_reward
 from tinkerless.errors import ConfigError, EnvError
-from tinkerless.functions.agent_loop import EpisodeState, _Run, _to_episode
+from tinkerless.functions.agent_loop import EpisodeState, TokenCounts, _Run, _to_episode, close_sessions
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import Engine
+from tinkerless.functions.kv_cache import KVSession
 from tinkerless.wire.messages import BASE_POLICY, Episode, EpisodeLimits, SamplingParams, Seat
 
 
@@ -70,19 +71,33 @@ def run_games(
     limits: EpisodeLimits,
     seed: int,
     timeout: float,
+    counts: TokenCounts | None = None,
 ) -> list[Episode]:
+    """Play every game to its end; `counts` (if given) adds up the generation work."""
+    games: list[_Game] = []
+    try:
+        return _run_games(engine, chat, games, env_cls=env_cls, tasks=tasks, group_size=group_size, seats=seats,
+                          opponents=opponents, sampling=sampling, limits=limits, seed=seed, timeout=timeout,
+                          counts=counts if counts is not None else TokenCounts())
+    finally:
+        close_sessions(run for game in games for run in game.runs.values())
+
+
+def _run_games(engine, chat, games, *, env_cls, tasks, group_size, seats, opponents, sampling, limits, seed, timeout, counts):
     agents = check_seats(env_cls, seats)
     env_name = getattr(env_cls, "__qualname__", "env")
-    games = [
+    games.extend(
         _Game(index=t * group_size + g, task_index=t, task=task)
         for t, task in enumerate(tasks)
         for g in range(group_size)
-    ]
+    )
     for game in games:
         game.rng = random.Random(f"{seed}:{game.index}")
         game.keeper = TurnKeeper.start(env_name, agents, limits.max_turns, timeout)
         game.rewards = {a: 0.0 for a in agents}
-        game.runs = {a: _Run(task_index=game.task_index, task=game.task) for a, s in seats.items() if s.opponent is None}
+        # Each model-played role keeps its own conversation, and its KV cache between its turns.
+        game.runs = {a: _Run(task_index=game.task_index, task=game.task, session=KVSession())
+                     for a, s in seats.items() if s.opponent is None}
         try:
             game.env = env_cls()
             game.env.reset(**game.task)
@@ -110,7 +125,9 @@ def run_games(
                 SamplingParams(min(sampling.max_tokens, max(budget, 0)), sampling.temperature, sampling.top_p, sampling.top_k),
                 policy=policy,
                 seed=seed * 1_000_003 + turn,
+                sessions=[game.runs[role].session for game, role in items],
             )
+            counts.add(generations)
             for (game, role), generation in zip(items, generations):
                 run = game.runs[role]
                 room = max(limits.max_episode_tokens - len(run.tokens), 0)
@@ -118,6 +135,7 @@ def run_games(
                 text = game.prefixes.get(role, "") + chat.tokenizer.decode(generation.tokens[:room], skip_special_tokens=True)
                 run.transcript.append({"role": "assistant", "content": text})
                 _apply_step(game, role, text, env_name)
+        close_sessions(run for game in games if game.done for run in game.runs.values())  # ended: free their caches
         turn += 1
 
     return [_episode(game, role, seats[role]) for game in games for role in game.runs]

@@ -3,6 +3,17 @@
 vLLM serves the frozen base model and hot-loads each policy's LoRA adapter
 from the directory the worker last saved it to, so weight sync moves only
 adapter bytes. Imported lazily: vllm is an optional, GPU-only extra.
+
+Multi-turn rollouts reuse KV caches across turns through vLLM's automatic prefix
+caching (`enable_prefix_caching`), not through `KVSession` handles (which this
+engine ignores). It hits when a turn's prompt starts with the previous turn's
+exact token ids (the agent loops append sampled and observation tokens and never
+re-tokenize) under the same LoRA id: a block's hash covers its tokens, its prefix
+and the LoRA id, so each policy version keeps one stable id (`_lora_request`) and a
+new version gets a new one (a cache of old weights is never reused). Each
+`Generation` reports vLLM's `num_cached_tokens` as `cached_tokens`, so a multi-turn
+rollout's `cached_prompt_tokens` stat shows whether it hits: a check only a GPU with
+vllm installed can run (not run in this project's CI).
 """
 
 from __future__ import annotations
@@ -66,8 +77,10 @@ class VLLMEngine:
         return LoRARequest(key, self._lora_ids[key], path)
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int
+        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
+        sessions: list | None = None,
     ) -> list[Generation]:
+        """`sessions` are ignored: vLLM's prefix cache finds a conversation's earlier turns by their tokens."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -90,18 +103,20 @@ class VLLMEngine:
             for index in range(len(prompts))
         ]
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],  # the exact ids: prefix caching hashes them
             params,
             lora_request=self._lora_request(policy),
             use_tqdm=False,
         )
         generations = []
-        for output in outputs:
+        for prompt, output in zip(prompts, outputs):
             completion = output.outputs[0]
+            cached = min(int(getattr(output, "num_cached_tokens", 0) or 0), len(prompt))
             tokens = list(completion.token_ids)
             logprobs = [
                 step[token].logprob if step and token in step else -math.inf
                 for step, token in zip(completion.logprobs or [], tokens)
             ]
-            generations.append(Generation(tokens, logprobs, "stop" if completion.finish_reason == "stop" else "length"))
+            generations.append(Generation(tokens, logprobs, "stop" if completion.finish_reason == "stop" else "length",
+                                          prefill_tokens=len(prompt) - cached, cached_tokens=cached))
         return generations

@@ -25,7 +25,7 @@ import torch
 
 from tinkerless.errors import ConfigError, ProtocolError, TinkerlessError, UserError
 from tinkerless.functions import training
-from tinkerless.functions.agent_loop import run_episodes
+from tinkerless.functions.agent_loop import TokenCounts, run_episodes
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import TransformersEngine
 from tinkerless.functions.multi_agent_loop import run_games
@@ -340,9 +340,10 @@ class Worker:
             env_cls=self._load_code(request.env),
             reward_fn=self._load_code(request.reward),
             system_prompt=request.system_prompt,
+            counts=(counts := TokenCounts()),
         )
         sampled = float(sum(e.mask.sum() for e in episodes))
-        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})
+        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats()})
 
     def _agent_rollout(self, request: RolloutRequest, started: float) -> RolloutResult:
         """Copies of an @tinkerless.agent function against this worker's OpenAI endpoint (agent_functions.py)."""
@@ -382,9 +383,10 @@ class Worker:
             limits=request.limits,
             seed=request.seed,
             timeout=request.protocol_timeout,
+            counts=(counts := TokenCounts()),
         )
         sampled = float(sum(e.mask.sum() for e in episodes))
-        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})
+        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats()})
 
     def sample(self, request: SampleRequest) -> SampleResult:
         token_prompts = [
