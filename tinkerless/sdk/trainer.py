@@ -11,6 +11,7 @@ The backend's compute seconds are attributed to the phase they ran in and priced
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -365,7 +366,12 @@ class _Run:
     def _update(self, client: TrainingClient, episodes: list[Episode], timings: dict) -> tuple[dict, int]:
         config = self.config
         data = self._datums(episodes)
-        if data and (config.tis_cap is not None or config.kl_coef > 0):
+        loss = config.loss_config()
+        if config.tis_cap is not None:
+            # One update per rollout: the policy is still the one that sampled, so the update's own
+            # log-probs are TIS's old log-probs and no separate forward is needed for them.
+            loss = dataclasses.replace(loss, old_logprobs_current=True)
+        if data and config.kl_coef > 0:  # the reference (base model) log-probs still need their own pass
             t = time.perf_counter()
             with self.usage.phase("forward"):
                 forward = client.forward(data, with_reference=config.kl_coef > 0)
@@ -379,7 +385,7 @@ class _Run:
         t = time.perf_counter()
         adam = AdamParams(learning_rate=config.learning_rate, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
         with self.usage.phase("update"):
-            update = client.update(data, config.loss_config(), adam)
+            update = client.update(data, loss, adam)
         timings["update_s"] += time.perf_counter() - t
         self._versions[client.policy] = update.policy_version
         return {**update.metrics, "trained_sequences": len(data)}, update.policy_version
