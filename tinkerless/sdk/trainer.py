@@ -135,6 +135,7 @@ class _Run:
         self.step = 0
         self._versions: dict[str, int] = {}
         self._truncation_warned = False
+        self._checkpoint_in_flight: int | None = None  # the step whose checkpoint is being written
         try:
             # A resumed run goes on billing from what its earlier attempts used.
             prior = latest_usage(self.coordinator.state.summary) if start else None
@@ -204,8 +205,23 @@ class _Run:
             "numpy_random": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
         }
         files = {CLIENT_STATE_FILE: json.dumps(client_state).encode()}
-        self.checkpoints.save(self.step, self._checkpoint_policies(policy_versions), files, {"run_id": self.run_id})
-        self.coordinator.record_checkpoint(self.step)
+        self._finish_checkpoint()  # one write in flight: the previous one commits first
+        # The policies are snapshotted now; the write and its commit overlap the next step.
+        self.checkpoints.save(
+            self.step, self._checkpoint_policies(policy_versions), files, {"run_id": self.run_id}, background=True
+        )
+        self._checkpoint_in_flight = self.step
+
+    def _finish_checkpoint(self, *, wait: bool = True) -> float:
+        """Record the checkpoint in flight once it is committed (waiting for it unless `wait` is False);
+        returns the seconds waited. A failed write raises here, in the loop."""
+        if self._checkpoint_in_flight is None or (not wait and getattr(self.checkpoints, "busy", False)):
+            return 0.0
+        started = time.perf_counter()
+        self.checkpoints.flush()
+        step, self._checkpoint_in_flight = self._checkpoint_in_flight, None
+        self.coordinator.record_checkpoint(step)
+        return time.perf_counter() - started
 
     # ---- the loop ----------------------------------------------------------------
     def run(self) -> RunResult:
@@ -215,6 +231,8 @@ class _Run:
             checkpoint_s = 0.0  # a checkpoint's time is reported with the next step's record
             while self.step < config.steps:
                 record, policy_versions = self._train_step()
+                with uninterrupted():
+                    checkpoint_s += self._finish_checkpoint(wait=False)  # committed by now, as a rule
                 record["storage_s"] += checkpoint_s
                 record.update(self.usage.step_columns())
                 # The step's line goes out before its checkpoint: a crash in between leaves a line that
@@ -231,6 +249,8 @@ class _Run:
                     progress.warn(record["warning"])
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
+            with uninterrupted(), self.usage.phase("storage"):
+                self._finish_checkpoint()  # the last checkpoint is committed before the run is finished
             progress.close()
             records = read_metrics(self.run_dir / "metrics.jsonl")
             plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
@@ -256,6 +276,11 @@ class _Run:
         """End a run that raised: `interrupted` for Ctrl-C/SIGTERM, else `failed`; then free the backend."""
         self.heartbeat.stop()
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        try:
+            with uninterrupted():  # a checkpoint being written still commits: a resume starts from it
+                self._finish_checkpoint()
+        except Exception as error:  # the previous checkpoint stays in force
+            self._say(f"run {self.run_id}: the checkpoint being written did not commit: {error}")
         try:
             with uninterrupted():  # a second signal must not leave the run marked running
                 self.coordinator.finish(status, self._usage_summary())
