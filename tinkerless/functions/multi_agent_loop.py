@@ -21,6 +21,7 @@ from tinkerless.errors import ConfigError, EnvError
 from tinkerless.functions.agent_loop import EpisodeState, _Run, _to_episode
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import Engine
+from tinkerless.functions.rollout_clock import measure
 from tinkerless.wire.messages import BASE_POLICY, Episode, EpisodeLimits, SamplingParams, Seat
 
 
@@ -85,7 +86,8 @@ def run_games(
         game.runs = {a: _Run(task_index=game.task_index, task=game.task) for a, s in seats.items() if s.opponent is None}
         try:
             game.env = env_cls()
-            game.env.reset(**game.task)
+            with measure("env"):
+                game.env.reset(**game.task)
         except Exception as exc:
             game.fail(f"{env_name}.reset: {type(exc).__name__}: {exc}")
 
@@ -115,7 +117,7 @@ def run_games(
                 run = game.runs[role]
                 room = max(limits.max_episode_tokens - len(run.tokens), 0)
                 run.append(generation.tokens[:room], sampled=True, logprobs=generation.logprobs[:room])
-                text = game.prefixes.get(role, "") + chat.tokenizer.decode(generation.tokens[:room], skip_special_tokens=True)
+                text = game.prefixes.get(role, "") + chat.decode(generation.tokens[:room])
                 run.transcript.append({"role": "assistant", "content": text})
                 _apply_step(game, role, text, env_name)
         turn += 1
@@ -177,7 +179,8 @@ def _apply_step(game: _Game, role: str, text: str, env_name: str) -> None:
     where = f"{env_name}.step({role!r}) at turn {game.keeper.turn_number}"
     try:
         game.keeper.acted(role)
-        result = game.env.step(role, text)
+        with measure("env"):
+            result = game.env.step(role, text)
         if not isinstance(result, MultiStepResult):
             raise EnvError(f"{where} returned {type(result).__name__}, not a MultiStepResult")
         for agent, reward in (result.rewards or {}).items():

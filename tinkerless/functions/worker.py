@@ -26,6 +26,7 @@ import torch
 from tinkerless.errors import ConfigError, ProtocolError, TinkerlessError, UserError
 from tinkerless.functions import training
 from tinkerless.functions.agent_loop import run_episodes
+from tinkerless.functions.rollout_clock import TimedEngine, rollout_clock
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import TransformersEngine
 from tinkerless.functions.multi_agent_loop import run_games
@@ -326,21 +327,22 @@ class Worker:
         started = time.perf_counter()
         if request.policy != BASE_POLICY:
             self._policy(request.policy)
-        episodes = run_episodes(
-            self.engine,
-            self.chat,
-            policy=request.policy,
-            tasks=request.tasks,
-            group_size=request.group_size,
-            sampling=request.sampling,
-            limits=request.limits,
-            seed=request.seed,
-            env_cls=self._load_code(request.env),
-            reward_fn=self._load_code(request.reward),
-            system_prompt=request.system_prompt,
-        )
+        with rollout_clock() as clock:
+            episodes = run_episodes(
+                TimedEngine(self.engine),
+                self.chat,
+                policy=request.policy,
+                tasks=request.tasks,
+                group_size=request.group_size,
+                sampling=request.sampling,
+                limits=request.limits,
+                seed=request.seed,
+                env_cls=self._load_code(request.env),
+                reward_fn=self._load_code(request.reward),
+                system_prompt=request.system_prompt,
+            )
         sampled = float(sum(e.mask.sum() for e in episodes))
-        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})
+        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **clock.as_stats()})
 
     def _rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
         started = time.perf_counter()
@@ -348,21 +350,22 @@ class Worker:
             if seat.opponent is None and seat.policy not in (None, BASE_POLICY):
                 self._policy(seat.policy)
         opponents = {role: self._load_code(seat.opponent) for role, seat in request.seats.items() if seat.opponent}
-        episodes = run_games(
-            self.engine,
-            self.chat,
-            env_cls=self._load_code(request.env),
-            tasks=request.tasks,
-            group_size=request.group_size,
-            seats=request.seats,
-            opponents=opponents,
-            sampling=request.sampling,
-            limits=request.limits,
-            seed=request.seed,
-            timeout=request.protocol_timeout,
-        )
+        with rollout_clock() as clock:
+            episodes = run_games(
+                TimedEngine(self.engine),
+                self.chat,
+                env_cls=self._load_code(request.env),
+                tasks=request.tasks,
+                group_size=request.group_size,
+                seats=request.seats,
+                opponents=opponents,
+                sampling=request.sampling,
+                limits=request.limits,
+                seed=request.seed,
+                timeout=request.protocol_timeout,
+            )
         sampled = float(sum(e.mask.sum() for e in episodes))
-        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})
+        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **clock.as_stats()})
 
     def sample(self, request: SampleRequest) -> SampleResult:
         token_prompts = [

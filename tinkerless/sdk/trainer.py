@@ -303,6 +303,7 @@ class _Run:
     def _train_step(self) -> tuple[dict, dict[str, int]]:
         config, step = self.config, self.step
         timings = {"rollout_s": 0.0, "forward_s": 0.0, "update_s": 0.0, "storage_s": 0.0}
+        self._rollout_stats: dict = {}
         started = time.perf_counter()
         with self.usage.phase("rollout"):
             self.coordinator.begin_rollout(step, participants=self.policies)
@@ -324,7 +325,7 @@ class _Run:
         # Usage so far rides along, so a killed run's state still says what it used (and a resume adds to it).
         self.coordinator.commit_update(step, {"reward_mean": reward_mean, "usage": self.usage.summary()})
         self._event("committed", "*")
-        record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started)
+        record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started, self._rollout_stats)
         record.update(truncation.columns(episodes, config.turn_limit()))
         if not self._truncation_warned and truncation.warrants_warning(record):
             self._truncation_warned = True  # once per run: the metrics line and the console say it
@@ -350,7 +351,9 @@ class _Run:
             reward=self.reward_code,
             system_prompt=config.system_prompt,
         )
-        episodes = self.clients["default"].rollout(request).episodes
+        result = self.clients["default"].rollout(request)
+        self._rollout_stats = result.stats  # where the rollout's seconds and tokens went, for the metrics
+        episodes = result.episodes
         self.coordinator.submit_rollout(self.step, "default")
         self._event("rollouts_in", "default")
         return episodes
