@@ -1,8 +1,9 @@
 """Forward (per-token log-probs) and forward_backward (loss + gradients) on a batch of datums.
 
-Datums are right-padded into micro-batches; gradients accumulate across
-micro-batches and across calls until the optimizer step. Each micro-batch
-loss is rescaled so the sum equals the loss normalized over the whole batch.
+Datums are grouped by length into micro-batches sized by tokens (`micro_batches`),
+right-padded; gradients accumulate across micro-batches and across calls until the
+optimizer step. Each micro-batch loss is rescaled so the sum equals the loss
+normalized over the whole batch. Results come back in the caller's order.
 """
 
 from __future__ import annotations
