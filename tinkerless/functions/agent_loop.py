@@ -23,6 +23,7 @@ from tinkerless.errors import DatasetError, TinkerlessError
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import Engine, Generation
 from tinkerless.functions.kv_cache import KVSession
+from tinkerless.functions.rollout_clock import measure
 from tinkerless.functions.user_code import call_each
 from tinkerless.wire.messages import Episode, EpisodeLimits, SamplingParams
 
@@ -120,7 +121,8 @@ def _first_messages(run: _Run, env_cls: Any, system_prompt: str | None) -> list[
     system = env.system_prompt() if hasattr(env, "system_prompt") else system_prompt
     if system:
         messages.append({"role": "system", "content": system})
-    first = env.reset(**run.task)
+    with measure("env"):
+        first = env.reset(**run.task)
     parts = [env.initial_user_message()] if hasattr(env, "initial_user_message") else []
     parts.append(first)
     content = "\n\n".join(str(p) for p in parts if p)
@@ -197,7 +199,7 @@ def _run_episodes(engine, chat, runs, *, policy, sampling, limits, seed, env_cls
             tokens, logprobs = generation.tokens[: max(budget, 0)], generation.logprobs[: max(budget, 0)]
             run.append(tokens, sampled=True, logprobs=logprobs)
             last_tokens.append(tokens[-1] if tokens else None)
-            texts.append(chat.tokenizer.decode(tokens, skip_special_tokens=True))
+            texts.append(chat.decode(tokens))
             run.transcript.append({"role": "assistant", "content": texts[-1]})
             run.state = EpisodeState.INTERACTING
         # Envs in a tenant's sandbox (user_code.py) take the whole turn's steps in one round trip.
@@ -219,7 +221,8 @@ _NOT_STEPPED = object()  # no result computed ahead: call the env (or reward) he
 def _outcome(value: Any, call: Callable[[], Any]) -> Any:
     """A result computed ahead in a batch (re-raised if it was an error), or the call made now."""
     if value is _NOT_STEPPED:
-        return call()
+        with measure("env"):
+            return call()
     if isinstance(value, BaseException):
         raise value
     return value

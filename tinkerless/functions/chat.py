@@ -17,6 +17,7 @@ tokenizer's EOS is a token the template uses for something else, is refused.
 from __future__ import annotations
 
 from tinkerless.errors import ConfigError
+from tinkerless.functions.rollout_clock import measure
 
 _PROBE_REPLY = "\u2063probe-reply\u2063"
 _PROBE_OBSERVATION = "\u2063OBS\u2063"
@@ -41,10 +42,17 @@ class ChatFormat:
         return "\n".join(lines) + "\nassistant:"
 
     def prompt_tokens(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.render(messages))
+        with measure("encode"):  # rendering the template is part of encoding
+            return self.encode(self.render(messages))
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        with measure("encode"):
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, tokens: list[int]) -> str:
+        """A sampled turn's text (special tokens left out)."""
+        with measure("decode"):
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def observation_tokens(self, observation: str, *, last_token: int | None) -> list[int]:
         """Tokens that follow a sampled turn: end-of-turn (if the model did not emit it), the user message, the next generation prompt.

@@ -44,6 +44,10 @@ class LossConfig:
     tis_cap: float | None = None  # truncated importance sampling cap C; None = off
     kl_coef: float = 0.0  # beta for k3 KL to reference model; 0 = off
     dro_beta: float = 0.05  # dro: weight of the quadratic penalty on log(pi / sampler); the Tinker docs fix no default
+    # TIS with datums that carry no old_logprobs: take them from this very pass (detached). Right only when the
+    # policy has not changed since the sampler ran (the first update after an on-policy rollout, as train() does);
+    # it saves the separate forward pass that would compute the same numbers.
+    old_logprobs_current: bool = False
 
     def validate(self) -> None:
         if self.name not in LOSS_NAMES:
@@ -80,6 +84,11 @@ class LossConfig:
                 f"LossConfig.dro_beta={self.dro_beta!r} must be a finite number >= 0",
                 hint="beta weighs the penalty 0.5 * beta * (logprob - sampler_logprob)^2; 0 makes dro plain REINFORCE",
             )
+        if not isinstance(self.old_logprobs_current, bool):
+            raise ConfigError(
+                f"LossConfig.old_logprobs_current={self.old_logprobs_current!r} must be true or false",
+                hint="true: TIS uses this pass's own log-probs as old_logprobs (on-policy); false: datums carry them",
+            )
         if not (_finite(self.kl_coef) and self.kl_coef >= 0.0):
             raise ConfigError(
                 f"LossConfig.kl_coef={self.kl_coef!r} must be a finite number >= 0",
@@ -96,7 +105,7 @@ def _check_inputs(config: LossConfig, inputs: dict[str, Tensor | None]) -> None:
     required = ["logprobs", "mask"]
     if config.name in RL_LOSS_NAMES:
         required += ["advantages", "sampler_logprobs"]
-        if config.tis_cap is not None:
+        if config.tis_cap is not None and not config.old_logprobs_current:
             required.append("old_logprobs")
     if config.kl_coef > 0:
         required.append("ref_logprobs")
@@ -206,7 +215,9 @@ def compute_loss(
 
         if config.tis_cap is not None:
             # Correct sampler/trainer mismatch on the policy-gradient term only (not on the KL term).
-            tis_log = clean(old_logprobs) - clean(sampler_logprobs)
+            # old_logprobs may be absent only with old_logprobs_current (checked above): this pass's own.
+            old = old_logprobs if old_logprobs is not None else logprobs.detach()
+            tis_log = clean(old) - clean(sampler_logprobs)
             tis_w = torch.exp(tis_log).clamp(max=config.tis_cap).detach()
             per_token = per_token * tis_w
             metrics["tis_weight_mean"] = _masked_mean(tis_w, m)

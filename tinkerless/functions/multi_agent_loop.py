@@ -22,6 +22,7 @@ from tinkerless.functions.agent_loop import EpisodeState, TokenCounts, _Run, _to
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import Engine
 from tinkerless.functions.kv_cache import KVSession
+from tinkerless.functions.rollout_clock import measure
 from tinkerless.wire.messages import BASE_POLICY, Episode, EpisodeLimits, SamplingParams, Seat
 
 
@@ -100,7 +101,8 @@ def _run_games(engine, chat, games, *, env_cls, tasks, group_size, seats, oppone
                      for a, s in seats.items() if s.opponent is None}
         try:
             game.env = env_cls()
-            game.env.reset(**game.task)
+            with measure("env"):
+                game.env.reset(**game.task)
         except Exception as exc:
             game.fail(f"{env_name}.reset: {type(exc).__name__}: {exc}")
 
@@ -132,7 +134,7 @@ def _run_games(engine, chat, games, *, env_cls, tasks, group_size, seats, oppone
                 run = game.runs[role]
                 room = max(limits.max_episode_tokens - len(run.tokens), 0)
                 run.append(generation.tokens[:room], sampled=True, logprobs=generation.logprobs[:room])
-                text = game.prefixes.get(role, "") + chat.tokenizer.decode(generation.tokens[:room], skip_special_tokens=True)
+                text = game.prefixes.get(role, "") + chat.decode(generation.tokens[:room])
                 run.transcript.append({"role": "assistant", "content": text})
                 _apply_step(game, role, text, env_name)
         close_sessions(run for game in games if game.done for run in game.runs.values())  # ended: free their caches
@@ -195,7 +197,8 @@ def _apply_step(game: _Game, role: str, text: str, env_name: str) -> None:
     where = f"{env_name}.step({role!r}) at turn {game.keeper.turn_number}"
     try:
         game.keeper.acted(role)
-        result = game.env.step(role, text)
+        with measure("env"):
+            result = game.env.step(role, text)
         if not isinstance(result, MultiStepResult):
             raise EnvError(f"{where} returned {type(result).__name__}, not a MultiStepResult")
         for agent, reward in (result.rewards or {}).items():

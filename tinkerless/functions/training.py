@@ -1,8 +1,9 @@
 """Forward (per-token log-probs) and forward_backward (loss + gradients) on a batch of datums.
 
-Datums are right-padded into micro-batches; gradients accumulate across
-micro-batches and across calls until the optimizer step. Each micro-batch
-loss is rescaled so the sum equals the loss normalized over the whole batch.
+Datums are grouped by length into micro-batches sized by tokens (`micro_batches`),
+right-padded; gradients accumulate across micro-batches and across calls until the
+optimizer step. Each micro-batch loss is rescaled so the sum equals the loss
+normalized over the whole batch. Results come back in the caller's order.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from tinkerless.functions.losses import LossConfig, compute_loss
+from tinkerless.functions.micro_batches import plan_micro_batches, recompute_in_backward
 from tinkerless.wire.messages import Datum
 
 
@@ -56,10 +58,11 @@ def token_logprobs(
     width = batch.input_ids.shape[1]
     if positions is None:
         positions = torch.arange(1, width, device=batch.input_ids.device)
-    # The logits at position p - 1 predict token p.
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention, logits_to_keep=positions - 1
-    ).logits.float()
+    # The logits at position p - 1 predict token p. No attention mask: rows are right-padded and
+    # attention is causal, so a real token never sees a pad (pads come after it) and the mask would
+    # only change the pads' own outputs, which no loss reads. Without a mask SDPA takes its fused
+    # kernel (on CPU too) instead of materializing [B, heads, T, T] scores per layer for backward.
+    logits = model(input_ids=batch.input_ids, logits_to_keep=positions - 1, use_cache=False).logits.float()
     targets = batch.input_ids[:, positions]
     picked = torch.gather(logits, 2, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     logprobs = torch.zeros(batch.input_ids.shape, dtype=picked.dtype, device=picked.device)
@@ -79,34 +82,17 @@ def trained_positions(mask: torch.Tensor) -> torch.Tensor:
     return positions if len(positions) else torch.ones(1, dtype=torch.long, device=mask.device)
 
 
-# Padded tokens per micro-batch: activations for backward grow with batch x length,
-# so long multi-turn episodes go in smaller micro-batches than short single-turn ones.
-MICRO_BATCH_TOKENS = 4096
-
-
-def _micro_batches(data: list, micro_batch_size: int, lengths: list[int]):
-    """Consecutive slices of at most `micro_batch_size` items and MICRO_BATCH_TOKENS padded tokens."""
-    start = 0
-    while start < len(data):
-        end, width = start, 0
-        while end < len(data) and end - start < micro_batch_size:
-            width = max(width, lengths[end])
-            if end > start and (end - start + 1) * width > MICRO_BATCH_TOKENS:
-                break
-            end += 1
-        yield start, end
-        start = end
-
-
 def forward(model, data: list[Datum], pad_id: int, micro_batch_size: int) -> list[np.ndarray]:
     device = next(model.parameters()).device
-    out: list[np.ndarray] = []
+    out: list[np.ndarray | None] = [None] * len(data)
+    plan = plan_micro_batches([len(d.tokens) for d in data], micro_batch_size, model)
     with torch.no_grad():
-        for start, end in _micro_batches(data, micro_batch_size, [len(d.tokens) for d in data]):
-            batch = make_batch(data[start:end], pad_id, device)
+        for micro in plan:
+            batch = make_batch([data[i] for i in micro.rows], pad_id, device)
             logprobs, _ = token_logprobs(model, batch)
-            out.extend(logprobs[row, :n].cpu().numpy().astype(np.float32) for row, n in enumerate(batch.lengths))
-    return out
+            for row, index in enumerate(micro.rows):
+                out[index] = logprobs[row, : batch.lengths[row]].cpu().numpy().astype(np.float32)
+    return out  # type: ignore[return-value]
 
 
 def _normalizer(config: LossConfig, masks: list[np.ndarray]) -> float:
@@ -129,36 +115,41 @@ def forward_backward(
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
     entropy_sum, token_count = 0.0, 0.0
-    all_logprobs: list[np.ndarray] = []
-    for start, end in _micro_batches(data, micro_batch_size, [len(m) for m in masks]):
-        micro = data[start:end]
-        share = _normalizer(config, masks[start:end]) / total if total > 0 else 0.0
+    all_logprobs: list[np.ndarray | None] = [None] * len(data)
+    for micro in plan_micro_batches([len(m) for m in masks], micro_batch_size, model):
+        rows = micro.rows
+        share = _normalizer(config, [masks[i] for i in rows]) / total if total > 0 else 0.0
         if share == 0.0 and config.normalization != "constant":
-            continue  # nothing trainable in this micro-batch
-        batch = make_batch(micro, pad_id, device)
-        mask = batch.field(micro, "mask")
-        logprobs, entropy = token_logprobs(model, batch, positions=trained_positions(mask), with_entropy=True)
-        loss, metrics = compute_loss(
-            config,
-            logprobs,
-            mask,
-            advantages=batch.field(micro, "advantages"),
-            sampler_logprobs=batch.field(micro, "sampler_logprobs"),
-            old_logprobs=batch.field(micro, "old_logprobs"),
-            ref_logprobs=batch.field(micro, "ref_logprobs"),
-        )
-        (loss * share).backward()
+            for i in rows:  # nothing trainable here: no forward, and no log-probs to report
+                all_logprobs[i] = np.zeros(len(masks[i]), dtype=np.float32)
+            continue
+        chunk = [data[i] for i in rows]
+        batch = make_batch(chunk, pad_id, device)
+        mask = batch.field(chunk, "mask")
+        with recompute_in_backward(model, micro.recompute):
+            logprobs, entropy = token_logprobs(model, batch, positions=trained_positions(mask), with_entropy=True)
+            loss, metrics = compute_loss(
+                config,
+                logprobs,
+                mask,
+                advantages=batch.field(chunk, "advantages"),
+                sampler_logprobs=batch.field(chunk, "sampler_logprobs"),
+                old_logprobs=batch.field(chunk, "old_logprobs"),
+                ref_logprobs=batch.field(chunk, "ref_logprobs"),
+            )
+            (loss * share).backward()
         for key, value in metrics.items():  # token-weighted means across micro-batches
             w = float(mask.sum()) if key != "loss" else 1.0
             sums[key] = sums.get(key, 0.0) + (value * share if key == "loss" else value * w)
             weights[key] = weights.get(key, 0.0) + w
         entropy_sum += float((entropy * mask).sum())
         token_count += float(mask.sum())
-        all_logprobs.extend(logprobs[row, :n].detach().cpu().numpy() for row, n in enumerate(batch.lengths))
+        for row, index in enumerate(rows):
+            all_logprobs[index] = logprobs[row, : batch.lengths[row]].detach().cpu().numpy()
     metrics = {k: (sums[k] if k in ("loss", "tokens") else sums[k] / max(weights[k], 1e-9)) for k in sums}
     metrics["tokens"] = token_count
     metrics["entropy"] = entropy_sum / token_count if token_count else 0.0
-    return metrics, all_logprobs
+    return metrics, all_logprobs  # type: ignore[return-value]
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ import tinkerless
 from tinkerless.envs.sandbox.bwrap import Profile, SpawnedSandbox, spawn
 from tinkerless.envs.sandbox.limits import SandboxLimits
 from tinkerless.errors import UserCodeError
+from tinkerless.functions.rollout_clock import measure
 from tinkerless.functions.user_code_protocol import HostReply, HostRequest, Ref, RngState, read_frame, write_frame
 from tinkerless.wire.code import CodeBlob
 
@@ -225,7 +226,8 @@ def call_each(targets: list[Any], method: str, arguments: list[tuple]) -> list[A
         if rngs:
             return None  # generators must come back in order: keep to single calls
     try:
-        replies = host.request(HostRequest("many", args=calls)).value
+        with measure("env"):  # the env's (or reward's) own time, in the tenant's host
+            replies = host.request(HostRequest("many", args=calls)).value
     except HostedCodeError as exc:  # the host died or hung: every call of the batch failed with it
         return [exc] * len(calls)
     return [r.value if r.ok else _error(r) for r in replies]

@@ -26,6 +26,7 @@ import torch
 from tinkerless.errors import ConfigError, ProtocolError, TinkerlessError, UserError
 from tinkerless.functions import training
 from tinkerless.functions.agent_loop import TokenCounts, run_episodes
+from tinkerless.functions.rollout_clock import TimedEngine, rollout_clock
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import TransformersEngine
 from tinkerless.functions.multi_agent_loop import run_games
@@ -328,22 +329,24 @@ class Worker:
             self._policy(request.policy)
         if request.agent is not None:
             return self._agent_rollout(request, started)
-        episodes = run_episodes(
-            self.engine,
-            self.chat,
-            policy=request.policy,
-            tasks=request.tasks,
-            group_size=request.group_size,
-            sampling=request.sampling,
-            limits=request.limits,
-            seed=request.seed,
-            env_cls=self._load_code(request.env),
-            reward_fn=self._load_code(request.reward),
-            system_prompt=request.system_prompt,
-            counts=(counts := TokenCounts()),
-        )
+        with rollout_clock() as clock:
+            episodes = run_episodes(
+                TimedEngine(self.engine),
+                self.chat,
+                policy=request.policy,
+                tasks=request.tasks,
+                group_size=request.group_size,
+                sampling=request.sampling,
+                limits=request.limits,
+                seed=request.seed,
+                env_cls=self._load_code(request.env),
+                reward_fn=self._load_code(request.reward),
+                system_prompt=request.system_prompt,
+                counts=(counts := TokenCounts()),
+            )
         sampled = float(sum(e.mask.sum() for e in episodes))
-        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats()})
+        stats = {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats()}
+        return RolloutResult(episodes, stats)
 
     def _agent_rollout(self, request: RolloutRequest, started: float) -> RolloutResult:
         """Copies of an @tinkerless.agent function against this worker's OpenAI endpoint (agent_functions.py)."""
@@ -357,13 +360,14 @@ class Worker:
             )
         if request.env is not None or request.reward is not None:
             raise UserError("a rollout takes an agent or an env/reward, not both", hint="send only `agent`")
-        episodes = run_agent_episodes(
-            self.engine, self.tokenizer, agent=self._load_code(request.agent), policy=request.policy,
-            tasks=request.tasks, group_size=request.group_size, sampling=request.sampling, limits=request.limits,
-            seed=request.seed, timeout=request.agent_timeout, transport=request.agent_transport,
-        )
+        with rollout_clock() as clock:
+            episodes = run_agent_episodes(
+                self.engine, self.tokenizer, agent=self._load_code(request.agent), policy=request.policy,
+                tasks=request.tasks, group_size=request.group_size, sampling=request.sampling, limits=request.limits,
+                seed=request.seed, timeout=request.agent_timeout, transport=request.agent_transport,
+            )
         sampled = float(sum(e.mask.sum() + sum(s.mask.sum() for s in e.extra_sequences) for e in episodes))
-        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started})
+        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **clock.as_stats()})
 
     def _rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
         started = time.perf_counter()
@@ -371,22 +375,23 @@ class Worker:
             if seat.opponent is None and seat.policy not in (None, BASE_POLICY):
                 self._policy(seat.policy)
         opponents = {role: self._load_code(seat.opponent) for role, seat in request.seats.items() if seat.opponent}
-        episodes = run_games(
-            self.engine,
-            self.chat,
-            env_cls=self._load_code(request.env),
-            tasks=request.tasks,
-            group_size=request.group_size,
-            seats=request.seats,
-            opponents=opponents,
-            sampling=request.sampling,
-            limits=request.limits,
-            seed=request.seed,
-            timeout=request.protocol_timeout,
-            counts=(counts := TokenCounts()),
-        )
+        with rollout_clock() as clock:
+            episodes = run_games(
+                TimedEngine(self.engine),
+                self.chat,
+                env_cls=self._load_code(request.env),
+                tasks=request.tasks,
+                group_size=request.group_size,
+                seats=request.seats,
+                opponents=opponents,
+                sampling=request.sampling,
+                limits=request.limits,
+                seed=request.seed,
+                timeout=request.protocol_timeout,
+                counts=(counts := TokenCounts()),
+            )
         sampled = float(sum(e.mask.sum() for e in episodes))
-        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats()})
+        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats()})
 
     def sample(self, request: SampleRequest) -> SampleResult:
         token_prompts = [

@@ -55,6 +55,15 @@ class UsageMeter:
         self._seconds: dict[str, float] = defaultdict(float)
         self._calls: dict[str, int] = defaultdict(int)
         self._client_timed_calls = 0
+        self._queue_seconds = 0.0  # waiting in a server's queue before a function ran: not compute, not billed
+
+    def record_queue(self, seconds: float) -> None:
+        with self._lock:
+            self._queue_seconds += float(seconds)
+
+    def queue_seconds(self) -> float:
+        with self._lock:
+            return self._queue_seconds
 
     def record(self, method: str, seconds: float, *, client_timed: bool = False) -> None:
         with self._lock:
@@ -138,6 +147,7 @@ class RunUsage:
         self.step_phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._start_seconds, self._start_calls = meter.seconds(), meter.calls()
         self._start_client_timed = meter.client_timed_calls()
+        self._queue_mark = meter.queue_seconds()
         self.prior = prior or {}
 
     @contextlib.contextmanager
@@ -174,6 +184,8 @@ class RunUsage:
         columns["gpu_s/step"] = sum(v for p, v in self.step_phases.items() if p != "setup")
         columns["gpu_s/total"] = self.total_seconds()
         columns["cost_usd"] = self.cost_usd()
+        queued = self.meter.queue_seconds()  # a backend without a queue (local) reports 0
+        columns["queue_s"], self._queue_mark = queued - self._queue_mark, queued
         self.step_phases = dict.fromkeys(PHASES, 0.0)
         return columns
 

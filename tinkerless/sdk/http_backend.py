@@ -27,7 +27,7 @@ import httpx
 
 from tinkerless.errors import RemoteError, ServerBusy
 from tinkerless.sdk.accounting import UsageMeter
-from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, SEQ_HEADER, STREAM_HEADER
+from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, QUEUE_SECONDS_HEADER, SEQ_HEADER, STREAM_HEADER
 
 _ENVELOPE_STATUSES = (200, 400, 401, 404, 409, 413, 500)  # statuses whose body is a msgpack envelope from the server
 _START_HINT = "start the server with `tinkerless serve --host 127.0.0.1 --port 8000 --model MODEL` and check the URL"
@@ -127,6 +127,12 @@ class HTTPBackend:
             seconds = float(response.headers[COMPUTE_SECONDS_HEADER])
         except (KeyError, ValueError):
             seconds = math.nan
+        try:  # how long the call waited for the model behind other calls (not billed: no function ran)
+            queued = float(response.headers.get(QUEUE_SECONDS_HEADER, "nan"))
+        except ValueError:
+            queued = math.nan
+        if math.isfinite(queued) and queued >= 0:
+            self.usage.record_queue(queued)
         if math.isfinite(seconds) and seconds >= 0:
             self.usage.record(method, seconds)
         elif response.status_code == 200:  # error replies without the header were refused before any function ran

@@ -22,12 +22,17 @@ from tinkerless.coordinator.policy_checkpoints import restore_policies, save_pol
 from tinkerless.errors import UserError
 from tinkerless.sdk.backends import Backend, call
 from tinkerless.storage import CheckpointStore, ObjectStore
+from tinkerless.storage.checkpoint import BackgroundSaves
 from tinkerless.wire.messages import LoadStateRequest, PolicyState, ResetPolicyRequest, SaveStateRequest
 from tinkerless.wire.runs import CheckpointPolicy, RestoredCheckpoint
 
 
 class RunCheckpoints(Protocol):
-    def save(self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict) -> None: ...
+    def save(
+        self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict, *, background: bool = False
+    ) -> None: ...
+
+    def flush(self) -> None: ...  # every save so far committed
 
     def restore(
         self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None, *, driver: bool = True
@@ -86,16 +91,40 @@ class StoredCheckpoints:
     def __init__(self, store: CheckpointStore, backend: Backend):
         self.store = store
         self.backend = backend
+        self.writer = BackgroundSaves()
 
-    def save(self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict) -> None:
-        def read(policy: CheckpointPolicy) -> dict[str, bytes]:
-            return call(self.backend, "save_state", SaveStateRequest(policy.worker_policy, True)).files
+    def save(
+        self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict, *, background: bool = False
+    ) -> None:
+        """Snapshot every policy now; write and commit now, or with `background` on a thread (see `flush`)."""
+        states = {
+            policy.name: call(self.backend, "save_state", SaveStateRequest(policy.worker_policy, True)).files
+            for policy in policies
+        }
 
-        save_policies(self.store, step, policies, read, files, metadata)
+        def write() -> str:
+            return save_policies(self.store, step, policies, lambda policy: states[policy.name], files, metadata)
+
+        if background:
+            self.writer.submit(write)
+        else:
+            self.flush()  # commits stay in step order
+            write()
+
+    def flush(self) -> None:
+        """Wait until every checkpoint saved so far is committed (re-raises a background write's error)."""
+        self.writer.wait()
+
+    @property
+    def busy(self) -> bool:
+        """A background write is still running."""
+        return self.writer.busy
 
     def restore(
         self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None, *, driver: bool = True
     ) -> RestoredCheckpoint:
+        self.flush()  # a restore reads what every earlier save committed
+
         def load(policy: CheckpointPolicy, files: dict[str, bytes], version: int) -> None:
             call(self.backend, "load_state", LoadStateRequest(PolicyState(policy.worker_policy, files, version), True))
 

@@ -150,7 +150,11 @@ class ServerCheckpoints:
         self.keep_last = keep_last
         self.coordinator = coordinator
 
-    def save(self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict) -> None:
+    def save(
+        self, step: int, policies: list[CheckpointPolicy], files: dict[str, bytes], metadata: dict, *, background: bool = False
+    ) -> None:
+        # Always synchronous: the server snapshots and writes in one request, which must stay ordered
+        # with this client's updates; the transfer is small (adapters never leave the server).
         lease = self.coordinator.lease if self.coordinator else None
         request = SaveCheckpointRequest(self.run_id, lease or "", step, policies, files, metadata, self.keep_last)
         # Ordered: the save must see every update this client sent before it.
@@ -158,6 +162,9 @@ class ServerCheckpoints:
         _expect(reply, RunReply)
         if self.coordinator is not None:
             self.coordinator.state = RunState.from_dict(reply.state)  # now naming this checkpoint
+
+    def flush(self) -> None:
+        """Nothing in flight: `save` returns once the server committed."""
 
     def restore(
         self, policies: list[CheckpointPolicy], client_files: list[str], step: int | None = None, *, driver: bool = True

@@ -9,7 +9,17 @@ import numpy as np
 from tinkerless.wire.messages import Episode
 
 
-def step_record(step: int, episodes: list[Episode], metrics: dict[str, dict], timings: dict, versions: dict[str, int], seconds: float) -> dict:
+# What a rollout reports about its own work (`RolloutResult.stats`), copied into the step's record:
+# prompt tokens prefilled, reused from kept KV caches, tokens decoded; seconds generating, in the env's
+# own code (reset, step, reward), encoding prompts and decoding samples. The rest of `rollout_s` is
+# the transport, scheduling and the loop's own bookkeeping.
+ROLLOUT_COLUMNS = ("prefill_tokens", "cached_prompt_tokens", "decoded_tokens", "generate_s", "env_s", "encode_s", "decode_s")
+
+
+def step_record(
+    step: int, episodes: list[Episode], metrics: dict[str, dict], timings: dict, versions: dict[str, int], seconds: float,
+    rollout_stats: dict | None = None,
+) -> dict:
     ok = [e for e in episodes if e.status != "error"]
     rewards = [e.reward for e in ok]
     sampled = float(sum(e.mask.sum() for e in episodes))
@@ -35,6 +45,10 @@ def step_record(step: int, episodes: list[Episode], metrics: dict[str, dict], ti
         "step_s": seconds,
         **timings,
     }
+    for key in ROLLOUT_COLUMNS:
+        value = (rollout_stats or {}).get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            record[key] = float(value)
     errors = [e for e in episodes if e.status == "error"]
     if errors:
         record["errors"] = [{"task_index": e.task_index, "error": e.error, "traceback": e.traceback} for e in errors[:5]]

@@ -11,6 +11,7 @@ The backend's compute seconds are attributed to the phase they ran in and priced
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -142,6 +143,7 @@ class _Run:
         self.step = 0
         self._versions: dict[str, int] = {}
         self._truncation_warned = False
+        self._checkpoint_in_flight: int | None = None  # the step whose checkpoint is being written
         try:
             # A resumed run goes on billing from what its earlier attempts used.
             prior = latest_usage(self.coordinator.state.summary) if start else None
@@ -222,8 +224,23 @@ class _Run:
             "numpy_random": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
         }
         files = {CLIENT_STATE_FILE: json.dumps(client_state).encode()}
-        self.checkpoints.save(self.step, self._checkpoint_policies(policy_versions), files, {"run_id": self.run_id})
-        self.coordinator.record_checkpoint(self.step)
+        self._finish_checkpoint()  # one write in flight: the previous one commits first
+        # The policies are snapshotted now; the write and its commit overlap the next step.
+        self.checkpoints.save(
+            self.step, self._checkpoint_policies(policy_versions), files, {"run_id": self.run_id}, background=True
+        )
+        self._checkpoint_in_flight = self.step
+
+    def _finish_checkpoint(self, *, wait: bool = True) -> float:
+        """Record the checkpoint in flight once it is committed (waiting for it unless `wait` is False);
+        returns the seconds waited. A failed write raises here, in the loop."""
+        if self._checkpoint_in_flight is None or (not wait and getattr(self.checkpoints, "busy", False)):
+            return 0.0
+        started = time.perf_counter()
+        self.checkpoints.flush()
+        step, self._checkpoint_in_flight = self._checkpoint_in_flight, None
+        self.coordinator.record_checkpoint(step)
+        return time.perf_counter() - started
 
     # ---- the loop ----------------------------------------------------------------
     def run(self) -> RunResult:
@@ -235,6 +252,8 @@ class _Run:
                 held_out = self._held_out_eval() if config.eval_every and self.step % config.eval_every == 0 else {}
                 record, policy_versions = self._train_step()
                 record.update(held_out)
+                with uninterrupted():
+                    checkpoint_s += self._finish_checkpoint(wait=False)  # committed by now, as a rule
                 record["storage_s"] += checkpoint_s
                 record.update(self.usage.step_columns())
                 # The step's line goes out before its checkpoint: a crash in between leaves a line that
@@ -251,6 +270,8 @@ class _Run:
                     progress.warn(record["warning"])
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
+            with uninterrupted(), self.usage.phase("storage"):
+                self._finish_checkpoint()  # the last checkpoint is committed before the run is finished
             progress.close()
             records = read_metrics(self.run_dir / "metrics.jsonl")
             plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
@@ -276,6 +297,11 @@ class _Run:
         """End a run that raised: `interrupted` for Ctrl-C/SIGTERM, else `failed`; then free the backend."""
         self.heartbeat.stop()
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        try:
+            with uninterrupted():  # a checkpoint being written still commits: a resume starts from it
+                self._finish_checkpoint()
+        except Exception as error:  # the previous checkpoint stays in force
+            self._say(f"run {self.run_id}: the checkpoint being written did not commit: {error}")
         try:
             with uninterrupted():  # a second signal must not leave the run marked running
                 self.coordinator.finish(status, self._usage_summary())
@@ -305,6 +331,7 @@ class _Run:
     def _train_step(self) -> tuple[dict, dict[str, int]]:
         config, step = self.config, self.step
         timings = {"rollout_s": 0.0, "forward_s": 0.0, "update_s": 0.0, "storage_s": 0.0}
+        self._rollout_stats: dict = {}
         started = time.perf_counter()
         with self.usage.phase("rollout"):
             self.coordinator.begin_rollout(step, participants=self.policies)
@@ -326,7 +353,7 @@ class _Run:
         # Usage so far rides along, so a killed run's state still says what it used (and a resume adds to it).
         self.coordinator.commit_update(step, {"reward_mean": reward_mean, "usage": self.usage.summary()})
         self._event("committed", "*")
-        record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started)
+        record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started, self._rollout_stats)
         record.update(truncation.columns(episodes, config.turn_limit()))
         if not self._truncation_warned and truncation.warrants_warning(record):
             self._truncation_warned = True  # once per run: the metrics line and the console say it
@@ -356,7 +383,9 @@ class _Run:
             agent_timeout=config.agent_timeout,
             agent_transport=config.agent_transport,
         )
-        episodes = self.clients["default"].rollout(request).episodes
+        result = self.clients["default"].rollout(request)
+        self._rollout_stats = result.stats  # where the rollout's seconds and tokens went, for the metrics
+        episodes = result.episodes
         self.coordinator.submit_rollout(self.step, "default")
         self._event("rollouts_in", "default")
         return episodes
@@ -397,7 +426,12 @@ class _Run:
     def _update(self, client: TrainingClient, episodes: list[Episode], timings: dict) -> tuple[dict, int]:
         config = self.config
         data = self._datums(episodes)
-        if data and (config.tis_cap is not None or config.kl_coef > 0):
+        loss = config.loss_config()
+        if config.tis_cap is not None:
+            # One update per rollout: the policy is still the one that sampled, so the update's own
+            # log-probs are TIS's old log-probs and no separate forward is needed for them.
+            loss = dataclasses.replace(loss, old_logprobs_current=True)
+        if data and config.kl_coef > 0:  # the reference (base model) log-probs still need their own pass
             t = time.perf_counter()
             with self.usage.phase("forward"):
                 forward = client.forward(data, with_reference=config.kl_coef > 0)
@@ -411,7 +445,7 @@ class _Run:
         t = time.perf_counter()
         adam = AdamParams(learning_rate=config.learning_rate, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
         with self.usage.phase("update"):
-            update = client.update(data, config.loss_config(), adam)
+            update = client.update(data, loss, adam)
         timings["update_s"] += time.perf_counter() - t
         self._versions[client.policy] = update.policy_version
         return {**update.metrics, "trained_sequences": len(data)}, update.policy_version

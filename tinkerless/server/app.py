@@ -44,7 +44,7 @@ from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.functions.user_code import tenant_scope
 from tinkerless.server.tenancy import scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
-from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK
+from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, QUEUE_SECONDS_HEADER
 from tinkerless.wire.messages import ErrorReply
 from tinkerless.wire.validate import validate
 
@@ -164,10 +164,12 @@ def create_app(
                 ),
             )
 
-        def run() -> tuple[bytes, float]:
-            started = time.perf_counter()
+        submitted = time.perf_counter()
+
+        def run() -> tuple[bytes, float, float]:
+            started = time.perf_counter()  # the scheduler starts the job: what came before was queueing
             with tenant_scope(tenant):  # a tenant's env/reward code runs in that tenant's sandbox (user_code.py)
-                return worker.handle(method, body), time.perf_counter() - started
+                return worker.handle(method, body), time.perf_counter() - started, started - submitted
 
         if method in model_free:  # reads no model: never waits behind the queue
             if stream is not None:
@@ -189,19 +191,19 @@ def create_app(
             )
         # Shielded: a dropped client must not cancel a call that may be mid-update on the model.
         try:
-            reply, compute_seconds = await asyncio.shield(asyncio.wrap_future(future))
+            reply, compute_seconds, queue_seconds = await asyncio.shield(asyncio.wrap_future(future))
         except TinkerlessError as exc:  # refused by the scheduler (a reused sequence number, a replaced driver)
             stats.count(label, status_of(exc))
             return error_response(status_of(exc), exc)
-        return _reply(label, tenant, reply, compute_seconds)
+        return _reply(label, tenant, reply, compute_seconds, queue_seconds)
 
-    def _reply(label: str, tenant: str, reply: bytes, compute_seconds: float) -> Response:
+    def _reply(label: str, tenant: str, reply: bytes, compute_seconds: float, queue_seconds: float = 0.0) -> Response:
         if tenant:
             reply = encode_message(unscope(decode_message(reply), tenant_prefix(tenant)))
         status = _status_for(reply)
         stats.count(label, status)
         # The server's own timing of the function body: what pay-per-use accounting bills.
-        headers = {COMPUTE_SECONDS_HEADER: f"{compute_seconds:.6f}"}
+        headers = {COMPUTE_SECONDS_HEADER: f"{compute_seconds:.6f}", QUEUE_SECONDS_HEADER: f"{queue_seconds:.6f}"}
         return Response(content=reply, status_code=status, media_type=MSGPACK, headers=headers)
 
     if hasattr(worker, "model_name"):  # a real Worker (test doubles speak only /v1/call)
