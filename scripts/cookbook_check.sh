@@ -4,9 +4,12 @@
 # The cookbook pins transformers<=5.5.4 and the tinkerless dev tools a newer one, so the
 # cookbook gets its own environment (.venv-cookbook), as a user's laptop would; the
 # server runs from .venv (run scripts/install.sh first). Usage:
-#   bash scripts/cookbook_check.sh [N_CONVERSATIONS]
+#   bash scripts/cookbook_check.sh [N_CONVERSATIONS]   # the supervised trainer (sl_basic's)
+#   bash scripts/cookbook_check.sh rl [ITERATIONS]     # the RL trainer (rl.train.main), 8 groups x 4
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE=sl
+if [ "${1:-}" = "rl" ]; then MODE=rl; shift; fi
 N="${1:-32}"
 if [ ! -x .venv-cookbook/bin/python ]; then
   python3 -m venv .venv-cookbook
@@ -21,6 +24,13 @@ MODEL="$(.venv/bin/python -c 'from tinkerless.functions.models import resolve_mo
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/healthz" > /dev/null && break; sleep 1; done
-TINKER_TELEMETRY=0 TINKER_BASE_URL="http://127.0.0.1:$PORT" TINKER_API_KEY="$KEY" \
-  .venv-cookbook/bin/python examples/tinker_cookbook/sl_conversations.py "$MODEL" "$WORK/run" "$N"
+if [ "$MODE" = rl ]; then
+  # The client names the model by its Hub id and loads the tokenizer from the HF cache (install.sh fills it).
+  TINKER_TELEMETRY=0 TINKER_BASE_URL="http://127.0.0.1:$PORT" TINKER_API_KEY="$KEY" HF_HUB_OFFLINE=1 \
+    .venv-cookbook/bin/python examples/tinker_cookbook/rl_arithmetic.py HuggingFaceTB/SmolLM2-135M-Instruct \
+    "$WORK/run" --iterations "${1:-2}"
+else
+  TINKER_TELEMETRY=0 TINKER_BASE_URL="http://127.0.0.1:$PORT" TINKER_API_KEY="$KEY" \
+    .venv-cookbook/bin/python examples/tinker_cookbook/sl_conversations.py "$MODEL" "$WORK/run" "$N"
+fi
 echo "cookbook run in $WORK/run (server log: $WORK/server.log)"
