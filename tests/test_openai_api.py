@@ -311,6 +311,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server):
                                            400, "limit_exceeded"),
         "prompt longer than the context": ("completions", {"model": base, "prompt": [5] * 2100, "max_tokens": 1},
                                            400, "context_length_exceeded"),
+        "an empty token-id prompt": ("completions", {"model": base, "prompt": [[1, 2], []]}, 400, None),
         "token id outside the vocabulary": ("completions", {"model": base, "prompt": [10**9]}, 400, "invalid_token_id"),
         "tool schema with a bad name": ("chat/completions", {"model": base, "messages": HI, "tools": [
             {"type": "function", "function": {"name": "no spaces allowed"}}]}, 400, None),
