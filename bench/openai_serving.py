@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -91,83 +92,86 @@ def main() -> None:
     worker = Worker(model)
     app = create_app(worker, storage=storage)
     checkpoints = CheckpointStore(ObjectStore(storage).child("tenants/_"), checkpoint_prefix(RUN))
-    with serve_in_thread(app) as url:
-        backend = HTTPBackend(url)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-        base = app.state.openai.base_model
-        call(backend, "create_policy", CreatePolicyRequest(POLICY, LoraConfig(rank=16, alpha=32, seed=0)))
-        prompt = render_chat(worker.tokenizer, MESSAGES)
-        print(f"model {base}, engine {worker.engine.name}, {worker.threads.threads} threads, LoRA rank 16 (all-linear)")
+    try:
+        with serve_in_thread(app) as url:
+            backend = HTTPBackend(url)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+            base = app.state.openai.base_model
+            call(backend, "create_policy", CreatePolicyRequest(POLICY, LoraConfig(rank=16, alpha=32, seed=0)))
+            prompt = render_chat(worker.tokenizer, MESSAGES)
+            print(f"model {base}, engine {worker.engine.name}, {worker.threads.threads} threads, LoRA rank 16 (all-linear)")
 
-        for model_name in (base, POLICY):  # warm-up: first requests build caches
-            first_token(client, model_name, True)
-            first_token(client, model_name, False)
-        # Live policy: the first token right after an update against the same request with no update before it.
-        after_update, steady, changed = ([], []), ([], []), 0
-        _, _, before = first_token(client, POLICY, False)
-        step = 0
-        for i in range(args.handoffs):
-            wall, cpu, same = first_token(client, POLICY, False)
-            steady[0].append(wall), steady[1].append(cpu)
-            step += 1
-            update(backend, prompt, step)
-            wall, cpu, after = first_token(client, POLICY, False)  # measured from the update's reply
-            after_update[0].append(wall), after_update[1].append(cpu)
-            changed += (after != same) and (same == before)
-            before = after
-        print(f"hand-off, live policy (1-token prompt, max_tokens=1; CPU = this process's CPU time):")
-        print(f"  update reply -> first token        wall {summary(after_update[0])}  CPU {summary(after_update[1])}")
-        print(f"  same request, no update before it  wall {summary(steady[0])}  CPU {summary(steady[1])}")
-        print(f"  the first token's log-prob moved with {changed} of {args.handoffs} updates (and only then)")
+            for model_name in (base, POLICY):  # warm-up: first requests build caches
+                first_token(client, model_name, True)
+                first_token(client, model_name, False)
+            # Live policy: the first token right after an update against the same request with no update before it.
+            after_update, steady, changed = ([], []), ([], []), 0
+            _, _, before = first_token(client, POLICY, False)
+            step = 0
+            for i in range(args.handoffs):
+                wall, cpu, same = first_token(client, POLICY, False)
+                steady[0].append(wall), steady[1].append(cpu)
+                step += 1
+                update(backend, prompt, step)
+                wall, cpu, after = first_token(client, POLICY, False)  # measured from the update's reply
+                after_update[0].append(wall), after_update[1].append(cpu)
+                changed += (after != same) and (same == before)
+                before = after
+            print(f"hand-off, live policy (1-token prompt, max_tokens=1; CPU = this process's CPU time):")
+            print(f"  update reply -> first token        wall {summary(after_update[0])}  CPU {summary(after_update[1])}")
+            print(f"  same request, no update before it  wall {summary(steady[0])}  CPU {summary(steady[1])}")
+            print(f"  the first token's log-prob moved with {changed} of {args.handoffs} updates (and only then)")
 
-        # Checkpoint: update -> save -> `run@latest`, the cache reloading its one slot in place (capacity 1),
-        # then the first use of a step that needs a new slot (an empty cache).
-        cache = app.state.openai.adapters
-        saves, loads, cached = [], ([], []), ([], [])
-        for i in range(args.handoffs):
-            cache.capacity = 1
-            step += 1
-            update(backend, prompt, step)
-            started = time.perf_counter()
-            files = call(backend, "save_state", SaveStateRequest(POLICY, include_optimizer=False)).files
-            checkpoints.save(step, files, {"policy_versions": {"default": step}})
-            saves.append(time.perf_counter() - started)
-            wall, cpu, _ = first_token(client, f"{RUN}@latest", False)
-            loads[0].append(wall), loads[1].append(cpu)
-            wall, cpu, _ = first_token(client, f"{RUN}@latest", False)
-            cached[0].append(wall), cached[1].append(cpu)
-        print(f"hand-off, checkpoint of a run (`{RUN}@latest`, 1-token prompt):")
-        print(f"  update reply -> checkpoint committed (save_state + CheckpointStore.save)  wall {summary(saves)}")
-        print(f"  committed -> first token (read, verify, reload the slot in place)  wall {summary(loads[0])}"
-              f"  CPU {summary(loads[1])}")
-        print(f"  the same step again (cached)                                       wall {summary(cached[0])}"
-              f"  CPU {summary(cached[1])}")
-        print(f"  adapters loaded into the cache: {cache.loads}")
-        cache.capacity = 8
+            # Checkpoint: update -> save -> `run@latest`, the cache reloading its one slot in place (capacity 1),
+            # then the first use of a step that needs a new slot (an empty cache).
+            cache = app.state.openai.adapters
+            saves, loads, cached = [], ([], []), ([], [])
+            for i in range(args.handoffs):
+                cache.capacity = 1
+                step += 1
+                update(backend, prompt, step)
+                started = time.perf_counter()
+                files = call(backend, "save_state", SaveStateRequest(POLICY, include_optimizer=False)).files
+                checkpoints.save(step, files, {"policy_versions": {"default": step}})
+                saves.append(time.perf_counter() - started)
+                wall, cpu, _ = first_token(client, f"{RUN}@latest", False)
+                loads[0].append(wall), loads[1].append(cpu)
+                wall, cpu, _ = first_token(client, f"{RUN}@latest", False)
+                cached[0].append(wall), cached[1].append(cpu)
+            print(f"hand-off, checkpoint of a run (`{RUN}@latest`, 1-token prompt):")
+            print(f"  update reply -> checkpoint committed (save_state + CheckpointStore.save)  wall {summary(saves)}")
+            print(f"  committed -> first token (read, verify, reload the slot in place)  wall {summary(loads[0])}"
+                  f"  CPU {summary(loads[1])}")
+            print(f"  the same step again (cached)                                       wall {summary(cached[0])}"
+                  f"  CPU {summary(cached[1])}")
+            print(f"  adapters loaded into the cache: {cache.loads}")
+            cache.capacity = 8
 
-        # Adapter cost: the same greedy request, interleaved, on the base model and on LoRA adapters.
-        models = {"base": base, "LoRA (live policy)": POLICY, "LoRA (checkpoint)": f"{RUN}@latest"}
-        times = {k: [] for k in models}
-        cpu_times = {k: [] for k in models}
-        tokens = {k: 0 for k in models}
-        for _ in range(args.requests + 1):
-            for label, name in models.items():
-                started, cpu = time.perf_counter(), time.process_time()
-                answer = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=args.max_tokens,
-                                                        temperature=0)
-                elapsed = time.perf_counter() - started
-                if _ > 0:  # the first round warms up
-                    times[label].append(elapsed)
-                    cpu_times[label].append(time.process_time() - cpu)
-                    tokens[label] += answer.usage.completion_tokens
-        base_rate = tokens["base"] / sum(times["base"])
-        base_cpu_rate = tokens["base"] / sum(cpu_times["base"])
-        for label in models:
-            rate, cpu_rate = tokens[label] / sum(times[label]), tokens[label] / sum(cpu_times[label])
-            print(f"{label:20s} latency {summary(times[label])}  {rate:6.1f} tokens/s ({rate / base_rate:5.2f}x base)"
-                  f"  per CPU second {cpu_rate:6.1f} tokens ({cpu_rate / base_cpu_rate:5.2f}x base)"
-                  f"  {tokens[label] / len(times[label]):.0f} tokens per reply")
+            # Adapter cost: the same greedy request, interleaved, on the base model and on LoRA adapters.
+            models = {"base": base, "LoRA (live policy)": POLICY, "LoRA (checkpoint)": f"{RUN}@latest"}
+            times = {k: [] for k in models}
+            cpu_times = {k: [] for k in models}
+            tokens = {k: 0 for k in models}
+            for _ in range(args.requests + 1):
+                for label, name in models.items():
+                    started, cpu = time.perf_counter(), time.process_time()
+                    answer = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=args.max_tokens,
+                                                            temperature=0)
+                    elapsed = time.perf_counter() - started
+                    if _ > 0:  # the first round warms up
+                        times[label].append(elapsed)
+                        cpu_times[label].append(time.process_time() - cpu)
+                        tokens[label] += answer.usage.completion_tokens
+            base_rate = tokens["base"] / sum(times["base"])
+            base_cpu_rate = tokens["base"] / sum(cpu_times["base"])
+            for label in models:
+                rate, cpu_rate = tokens[label] / sum(times[label]), tokens[label] / sum(cpu_times[label])
+                print(f"{label:20s} latency {summary(times[label])}  {rate:6.1f} tokens/s ({rate / base_rate:5.2f}x base)"
+                      f"  per CPU second {cpu_rate:6.1f} tokens ({cpu_rate / base_cpu_rate:5.2f}x base)"
+                      f"  {tokens[label] / len(times[label]):.0f} tokens per reply")
 
+    finally:  # the checkpoints written (tens of MB per step on SmolLM2)
+        shutil.rmtree(storage, ignore_errors=True)
 
 if __name__ == "__main__":
     main()

@@ -36,7 +36,7 @@ HI = [{"role": "user", "content": "Say something."}]
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     storage = tmp_path_factory.mktemp("openai-server")
-    keys = {"key-alice": "alice", "key-bob": "bob"}
+    keys = {"tml-alice-key": "alice", "tml-bob-key": "bob"}  # tml-: the tinker SDK's key format
     worker = Worker(tiny_model)
     limits = ServingLimits(max_tokens=64, max_samples=8, max_prompt_tokens=1024)
     app = create_app(worker, keys=KeyStore(ObjectStore(str(storage)), extra_keys=keys), storage=str(storage),
@@ -47,12 +47,12 @@ def server(tiny_model, tmp_path_factory):
             model=tiny_model, name="trained", reward=lambda c, t: float(sum(map(ord, c)) % 5), tasks=[{"prompt": "hi"}],
             steps=2, batch_size=2, group_size=4, max_tokens=8, learning_rate=0.05, checkpoint_every=1,
             storage=str(tmp_path_factory.mktemp("alice-client")), progress=False, run_id="trained",
-            backend=HTTPBackend(url, api_key="key-alice"),
+            backend=HTTPBackend(url, api_key="tml-alice-key"),
         )
         yield url, app, worker
 
 
-def client(url: str, key: str = "key-alice") -> openai.OpenAI:
+def client(url: str, key: str = "tml-alice-key") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
@@ -70,13 +70,13 @@ def own_logprobs(worker, prompt: list[int], tokens: list[int], policy: str | Non
 def test_models_lists_the_base_and_the_callers_adapters_only(server):
     url, app, _ = server
     alice = [m.id for m in client(url).models.list()]
-    bob = [m.id for m in client(url, "key-bob").models.list()]
+    bob = [m.id for m in client(url, "tml-bob-key").models.list()]
     assert alice[0] == bob[0] == base_name(app)
     assert {"trained@latest", "trained@1", "trained@2"} <= set(alice)
     assert not any("trained" in m for m in bob)
     assert client(url).models.retrieve("trained@1").id == "trained@1"
     with pytest.raises(openai.NotFoundError):
-        client(url, "key-bob").models.retrieve("trained@1")
+        client(url, "tml-bob-key").models.retrieve("trained@1")
 
 
 def test_chat_completion_usage_and_seeded_n(server):
@@ -126,7 +126,7 @@ def test_streaming_delivers_the_same_choices_as_one_reply(server, route):
     assert reasons == [c.finish_reason for c in whole.choices]
     assert usage is not None and usage.model_dump() == whole.usage.model_dump()
     # The raw wire format: SSE events, ending with the [DONE] sentinel.
-    raw = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer key-alice"},
+    raw = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer tml-alice-key"},
                      json={"model": base_name(app), "messages": HI, "max_tokens": 3, "stream": True}, timeout=60)
     events = [line for line in raw.text.split("\n\n") if line]
     assert raw.headers["content-type"].startswith("text/event-stream")
@@ -213,7 +213,7 @@ def test_a_trained_adapter_answers_differently_from_the_base(server):
     assert answers["trained@1"][0] != pytest.approx(answers[base_name(app)][0], abs=1e-3)
     assert answers["trained@2"][0] != pytest.approx(answers["trained@1"][0], abs=1e-3)
     # The served adapter is the checkpoint's: its logprobs are the run's policy at that step, loaded here.
-    slot = next(s for k, s in app.state.openai.adapters._slots.items() if k[1] == "trained" and k[3] == 2)
+    slot = next(s for k, s in app.state.openai.adapters._slots.items() if k[2] == "trained" and k[4] == 2)  # (source, tenant, run, agent, step, id)
     tokens = greedy(worker, prompt, len(answers["trained@2"][0]), slot)
     expected = own_logprobs(worker, prompt, tokens, slot)
     assert answers["trained@2"][0] == pytest.approx([float(expected[i, t]) for i, t in enumerate(tokens)], abs=1e-4)
@@ -258,7 +258,7 @@ def test_concurrent_requests_for_different_adapters_share_one_batch(server):
 
 def test_tenant_b_cannot_name_tenant_as_runs_or_policies(server):
     url, app, _ = server
-    bob = client(url, "key-bob")
+    bob = client(url, "tml-bob-key")
     answers = {}
     for model in ("trained@latest", "trained@1", "no-such-run@latest", "trained@999"):
         with pytest.raises(openai.NotFoundError) as caught:
@@ -288,7 +288,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server):
     url, app, _ = server
     base = base_name(app)
     post = lambda path, body, **kw: httpx.post(  # noqa: E731
-        f"{url}/v1/{path}", headers={"Authorization": "Bearer key-alice", **kw.pop("headers", {})},
+        f"{url}/v1/{path}", headers={"Authorization": "Bearer tml-alice-key", **kw.pop("headers", {})},
         content=body if isinstance(body, (bytes, str)) else json.dumps(body), timeout=60, **kw)
     cases = {
         "unknown model": ("chat/completions", {"model": "gpt-17", "messages": HI}, 404, "model_not_found"),
@@ -311,6 +311,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server):
                                            400, "limit_exceeded"),
         "prompt longer than the context": ("completions", {"model": base, "prompt": [5] * 2100, "max_tokens": 1},
                                            400, "context_length_exceeded"),
+        "an empty token-id prompt": ("completions", {"model": base, "prompt": [[1, 2], []]}, 400, None),
         "token id outside the vocabulary": ("completions", {"model": base, "prompt": [10**9]}, 400, "invalid_token_id"),
         "tool schema with a bad name": ("chat/completions", {"model": base, "messages": HI, "tools": [
             {"type": "function", "function": {"name": "no spaces allowed"}}]}, 400, None),
@@ -352,3 +353,30 @@ def test_tool_schemas_reach_the_prompt_as_toolenv_writes_them(server):
     plain = client(url).chat.completions.create(model=base_name(app), messages=HI, tools=tools, tool_choice="none",
                                                 max_tokens=1)
     assert plain.usage.prompt_tokens == len(render_chat(worker.tokenizer, HI))
+
+
+def test_tinker_checkpoints_are_models_of_their_tenant(server, tiny_model):
+    """A sampler checkpoint saved through the official `tinker` SDK is a model name of its tenant only."""
+    import os
+
+    tinker = pytest.importorskip("tinker")
+    os.environ["TINKER_TELEMETRY"] = "0"
+    url, app, worker = server
+    service = tinker.ServiceClient(base_url=url, api_key="tml-alice-key")
+    try:
+        training = service.create_lora_training_client(base_model=tiny_model, rank=8)
+        training.forward_backward([tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0, 1.0, 1.0, 1.0]})], "cross_entropy").result()
+        training.optim_step(tinker.types.AdamParams(learning_rate=0.05)).result()
+        path = training.save_weights_for_sampler("served").result().path
+    finally:
+        service.close(status="success")
+    assert path.startswith("tinker://") and path in [m.id for m in client(url).models.list()]
+    tuned = client(url).completions.create(model=path, prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=0)
+    base = client(url).completions.create(model=base_name(app), prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                          logprobs=0)
+    assert tuned.choices[0].logprobs.token_logprobs != base.choices[0].logprobs.token_logprobs
+    for other in (path, path.replace("/served", "/missing")):
+        with pytest.raises(openai.NotFoundError):
+            client(url, "tml-bob-key").completions.create(model=other, prompt=[5, 6, 7], max_tokens=2)

@@ -61,7 +61,7 @@ def spoiled(draw, bodies: st.SearchStrategy) -> dict:
 
 def models(base: str) -> st.SearchStrategy:
     return st.integers(0, 9).flatmap(lambda pick: st.just(base) if pick not in (5, 6) else st.one_of(st.sampled_from([base, "smollm2", "nope", "run@latest", "run@1", "../x@1", "a/b@2", "a@" + "9" * 30,
-                                  "@", "x@latest\n", "default", base + "@latest"]), st.text(max_size=20)))
+                                  "@", "x@latest\n", "default", base + "@latest", "tinker://", "tinker://a/sampler_weights/b", "tinker://../../weights/x", "tinker://a/b/c/d"]), st.text(max_size=20)))
 
 
 text_part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_audio"]), "text": junk})

@@ -1,8 +1,10 @@
-"""Trained adapters named by OpenAI `model` strings: `<run_id>@<step>`, `<run_id>@latest`, `<run_id>/<agent>@...`.
+"""Trained adapters named by OpenAI `model` strings: `<run_id>@<step>`, `<run_id>@latest`, `<run_id>/<agent>@...`,
+and the Tinker API's checkpoint paths `tinker://<run>/sampler_weights/<name>` (or `/weights/<name>`).
 
 `AdapterNames` turns a name into the adapter's files, read from the caller's own runs on the server
-(`tenants/<tenant>/runs/<run_id>/checkpoints`, the layout `server/runs.py` writes), so a tenant can only
-ever name its own runs: another tenant's run id resolves exactly like one that does not exist.
+(`tenants/<tenant>/runs/<run_id>/checkpoints`, the layout `server/runs.py` writes; `tenants/<tenant>/tinker/...`
+for Tinker checkpoints), so a tenant can only ever name its own: another tenant's run resolves exactly like
+one that does not exist.
 
 `AdapterCache` keeps the loaded adapters as LoRA slots on the one shared base model, least recently
 used first out. A slot in use by a generation (which may pause between time slices) is never evicted;
@@ -43,21 +45,49 @@ class AdapterRef:
     agent: str | None
     step: int
     identity: str  # hash of the step's manifest: a step re-written by a resumed run is another adapter
+    source: str = "run"  # "run": a run's checkpoint; "tinker": a Tinker checkpoint path (in run_id)
 
     @property
     def key(self) -> tuple:
-        return (self.tenant, self.run_id, self.agent, self.step, self.identity)
+        return (self.source, self.tenant, self.run_id, self.agent, self.step, self.identity)
 
 
 class AdapterNames:
     """Resolves `model` names to the caller's checkpointed adapters (storage reads: call off the event loop)."""
 
     def __init__(self, store: ObjectStore):
+        from tinkerless.server.tinker_api.checkpoints import CheckpointRegistry
+
         self.store = store  # the server's storage root; runs live under tenants/<tenant>/ (RunService.tenant_store)
+        self.tinker = CheckpointRegistry(store)  # the Tinker API's checkpoints, in the same storage
 
     @staticmethod
     def looks_like_adapter(model: str) -> bool:
-        return "@" in model
+        return "@" in model or model.startswith("tinker://")
+
+    def _resolve_tinker(self, tenant: str, model: str) -> AdapterRef:
+        from tinkerless.server.tinker_api.checkpoints import TinkerPath
+
+        try:
+            path = TinkerPath.parse(model)
+            info = self.tinker.info(tenant, path)
+        except (UserError, StorageError):  # malformed, missing, expired: all read as "no such model"
+            raise NotFound(model) from None
+        info = {k: v for k, v in info.items() if k != "expires_at"}
+        identity = hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return AdapterRef(tenant, str(path), None, 0, identity, source="tinker")
+
+    def _load_tinker(self, ref: AdapterRef) -> tuple[dict[str, bytes], int]:
+        from tinkerless.server.tinker_api.checkpoints import TinkerPath
+
+        try:
+            meta, files = self.tinker.load(ref.tenant, TinkerPath.parse(ref.run_id))
+        except (UserError, StorageError):
+            raise NotFound(ref.run_id) from None
+        adapter = {name: files[name] for name in _ADAPTER_FILES if name in files}
+        if len(adapter) != len(_ADAPTER_FILES):
+            raise NotFound(ref.run_id)
+        return adapter, int(meta.get("policy_version", 0) or 0)
 
     def tenant_store(self, tenant: str) -> ObjectStore:
         return self.store.child(f"tenants/{tenant or '_'}")
@@ -66,6 +96,8 @@ class AdapterNames:
         return CheckpointStore(self.tenant_store(tenant), checkpoint_prefix(run_id))
 
     def resolve(self, tenant: str, model: str) -> AdapterRef:
+        if model.startswith("tinker://"):
+            return self._resolve_tinker(tenant, model)
         match = _NAME.fullmatch(model)
         if match is None:
             raise NotFound(model)
@@ -91,6 +123,8 @@ class AdapterNames:
 
     def load_files(self, ref: AdapterRef) -> tuple[dict[str, bytes], int]:
         """The adapter's PEFT files (as `Worker.load_state` takes them) and its policy version."""
+        if ref.source == "tinker":
+            return self._load_tinker(ref)
         try:
             checkpoint = self.checkpoints(ref.tenant, ref.run_id).load(ref.step)
         except StorageNotFound:
@@ -130,6 +164,12 @@ class AdapterNames:
                 names += [f"{run.run_id}@latest"] + [f"{run.run_id}@{s}" for s in reversed(steps)]
             if len(names) >= limit:
                 break
+        for run in self.tinker.list_runs(tenant) if len(names) < limit else []:
+            try:
+                names += [c["tinker_path"] for c in self.tinker.list(tenant, run["training_run_id"])
+                          if c.get("tinker_path")]
+            except (UserError, StorageError, KeyError):
+                continue
         return names[:limit]
 
 

@@ -180,6 +180,8 @@ def openai_router(
                                   hint="send fewer prompts per request")
             prompts = [p if isinstance(p, list) else await asyncio.to_thread(_encode, tokenizer, p)
                        for p in body.prompts()]
+            if any(not p for p in prompts):
+                raise OpenAIError("a prompt is empty", param="prompt", hint="send at least one token per prompt")
             limit = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
             requests = [sampling(body, p, min(limit, context_cap(len(p))) if body.max_tokens is None else limit,
                                  body.logprobs or 0, stop_ids) for p in prompts]

@@ -3,7 +3,8 @@
 `model` names, for a caller (its API key's tenant):
   * the base model: its Hub id or any alias (`smollm2`, the path the server was started with);
   * `<run_id>@<step>`, `<run_id>@latest` (`<run_id>/<agent>@...` for a multi-agent run): a checkpoint of one of
-    the caller's runs on this server, loaded on first use into an LRU cache of adapters (`adapters.py`);
+    the caller's runs on this server, or a `tinker://...` checkpoint path of the caller's Tinker runs, loaded on
+    first use into an LRU cache of adapters (`adapters.py`);
   * the name of one of the caller's live policies on the worker (as `/v1/call` names it, e.g. "default"):
     its current weights, with no copy, so a sample right after an `update` uses the new adapter.
 
