@@ -93,6 +93,7 @@ config = tinkerless.TrainConfig(
     temperature=0.8,
     learning_rate=5e-4,
     checkpoint_every=2,
+    micro_batch_size=4,  # ~330-token sequences x SmolLM2's 49k vocabulary: small micro-batches keep the update's memory down
 )
 
 if __name__ == "__main__":
