@@ -1,8 +1,14 @@
 """Train the agent you already wrote: an OpenAI-client agent with a calculator tool, RL-trained on SmolLM2 on a CPU.
 
-    tinkerless train examples/openai_agent.py              # a few minutes on a laptop CPU
-    tinkerless serve --single-user --port 8000 &           # then the same file, unchanged, against the served adapter:
-    tinkerless eval examples/openai_agent.py --endpoint http://127.0.0.1:8000/v1 --model <run_id>@latest
+    tinkerless train examples/openai_agent.py              # locally: a few minutes per step on a busy 2-core CPU
+
+Trained through a server of your own, the run's adapter is then served by the same server's OpenAI API,
+and the same file, unchanged, runs against it:
+
+    export TINKERLESS_API_KEY=$(python -c "import secrets; print(secrets.token_hex(16))")
+    tinkerless serve --single-user --api-key-env TINKERLESS_API_KEY --port 8000 &
+    tinkerless train examples/openai_agent.py --backend http://127.0.0.1:8000 --run-id calc
+    tinkerless eval examples/openai_agent.py --endpoint http://127.0.0.1:8000/v1 --model calc@latest
 
 `solve` is plain OpenAI-client code: one call with `tools=[calculator]`; if the model calls the tool, the
 result goes back as a `tool` message and a second call gives the answer. In training, `model="policy"`
@@ -87,6 +93,7 @@ config = tinkerless.TrainConfig(
     temperature=0.8,
     learning_rate=5e-4,
     checkpoint_every=2,
+    micro_batch_size=4,  # ~330-token sequences x SmolLM2's 49k vocabulary: small micro-batches keep the update's memory down
 )
 
 if __name__ == "__main__":
