@@ -38,12 +38,12 @@ DEMONSTRATIONS = 32  # a few dozen generated, correct tool-using episodes
 sft_config = tinkerless.SFTConfig(
     name="calculator-sft",
     model="smollm2",
-    steps=3,
+    steps=1,  # one step on 4 demonstrations: tool calls become likely, not yet reliable
     batch_size=4,
-    learning_rate=1e-3,
+    learning_rate=5e-4,
     eval_fraction=0.125,  # 4 held-out demonstrations for eval NLL
-    eval_every=3,
-    checkpoint_every=3,
+    eval_every=1,
+    checkpoint_every=1,
 )
 
 # Phase 2: RL from the SFT checkpoint (`init_from`, set by `main()`).
@@ -52,15 +52,16 @@ config = tinkerless.TrainConfig(
     model="smollm2",
     env=CalculatorEnv,
     tasks=make_word_problem,
-    steps=8,
+    steps=6,
     batch_size=4,
     group_size=4,
     max_turns=3,  # CalculatorEnv allows 2 tool calls, so turn 3 is always its answer
     max_tokens=48,  # a tool call is about 30 tokens
     max_episode_tokens=768,
     temperature=0.8,
-    learning_rate=5e-4,
-    checkpoint_every=4,
+    learning_rate=1e-3,
+    checkpoint_every=3,
+    micro_batch_size=4,  # ~440-token episodes: smaller micro-batches keep the update's logits within a few GB
 )
 
 app = modal_entrypoint(config)  # `modal run examples/calculator_agent.py` trains the RL phase on Modal
