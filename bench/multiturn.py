@@ -97,49 +97,87 @@ def rollouts_only(config, worker) -> list[dict]:
     """The training run's rollouts (its policy, tasks, seeds and seats) without the updates: per step, the
     metrics a step record has of its rollout. For gomoku on a machine without memory for its update
     (before the update's T x T memory is gone, about 15 GB)."""
-    import math
-    import random
+    run = RolloutOnly(config, worker)
+    return [run.step(step) for step in range(config.steps)]
 
-    from tinkerless.sdk.multi_agent import build_seats
-    from tinkerless.wire import pack_code
-    from tinkerless.wire.messages import (
-        CreatePolicyRequest,
-        EpisodeLimits,
-        LoraConfig,
-        MultiAgentRolloutRequest,
-        RolloutRequest,
-        SamplingParams,
-    )
 
-    env = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
-    seat_list = build_seats(config.agents) if config.agents else None
-    policies = {seat.policy for seats in seat_list or [] for seat in seats.values() if seat.trainable and seat.policy}
-    for i, policy in enumerate(sorted(policies) or ["default"]):
-        worker.create_policy(CreatePolicyRequest(policy, LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed + i)))
-    rng = random.Random(config.seed)
-    sampling = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p)
-    limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
-    out = []
-    for step in range(config.steps):
-        tasks = [config.tasks(rng) for _ in range(config.batch_size)]
+class RolloutOnly:
+    """Rollouts of one example as its training run makes them (policy, tasks, seeds, seats), without updates."""
+
+    def __init__(self, config, worker):
+        import random
+
+        from tinkerless.sdk.multi_agent import build_seats
+        from tinkerless.wire import pack_code
+        from tinkerless.wire.messages import CreatePolicyRequest, EpisodeLimits, LoraConfig, SamplingParams
+
+        self.config, self.worker = config, worker
+        self.env = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
+        self.reward = pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
+        self.seat_list = build_seats(config.agents) if config.agents else None
+        policies = {s.policy for seats in self.seat_list or [] for s in seats.values() if s.trainable and s.policy}
+        self.policy = "default"
+        for i, policy in enumerate(sorted(policies) or [self.policy]):
+            if policy not in worker.policies:
+                worker.create_policy(CreatePolicyRequest(policy, LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha,
+                                                                            seed=config.seed + i)))
+        self.rng = random.Random(config.seed)
+        self.sampling = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p)
+        self.limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
+
+    def step(self, step: int) -> dict:
+        import math
+
+        from tinkerless.wire.messages import MultiAgentRolloutRequest, RolloutRequest
+
+        config, worker = self.config, self.worker
+        tasks = [config.tasks(self.rng) for _ in range(config.batch_size)]
         seed = (config.seed * 1_000_003 + step * 7919) % (2**31 - 1)
         started = time.perf_counter()
-        if seat_list:
-            episodes = [e for index, seats in enumerate(seat_list) for e in worker.rollout_multi(MultiAgentRolloutRequest(
-                tasks=tasks, group_size=config.group_size, env=env, seats=seats, sampling=sampling, limits=limits,
-                seed=seed + index, protocol_timeout=config.protocol_timeout)).episodes]
+        if self.seat_list:
+            episodes = [e for index, seats in enumerate(self.seat_list) for e in worker.rollout_multi(MultiAgentRolloutRequest(
+                tasks=tasks, group_size=config.group_size, env=self.env, seats=seats, sampling=self.sampling,
+                limits=self.limits, seed=seed + index, protocol_timeout=config.protocol_timeout)).episodes]
         else:
-            reward = pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
-            episodes = worker.rollout(RolloutRequest(policy="default", tasks=tasks, group_size=config.group_size,
-                                                     sampling=sampling, limits=limits, seed=seed, env=env, reward=reward,
-                                                     system_prompt=config.system_prompt)).episodes
+            episodes = worker.rollout(RolloutRequest(
+                policy=self.policy, tasks=tasks, group_size=config.group_size, sampling=self.sampling, limits=self.limits,
+                seed=seed, env=self.env, reward=self.reward, system_prompt=config.system_prompt)).episodes
         seconds = time.perf_counter() - started
         sampled = float(sum(e.mask.sum() for e in episodes))
         rewards = [e.reward for e in episodes if e.status != "error" and e.info.get("trainable", True)]
-        out.append({"tokens_per_s": sampled / seconds, "rollout_s": seconds, "sampled_tokens": sampled,
-                    "turns_mean": statistics.mean([e.num_turns for e in episodes]),
-                    "reward_mean": statistics.mean(rewards) if rewards else math.nan})
-    return out
+        return {"tokens_per_s": sampled / seconds, "rollout_s": seconds, "sampled_tokens": sampled,
+                "turns_mean": statistics.mean([e.num_turns for e in episodes]),
+                "reward_mean": statistics.mean(rewards) if rewards else math.nan}
+
+
+def compare_rollouts(args: argparse.Namespace) -> None:
+    """The main job's rollout, then guess_number's with the cache off and on, round after round in one process
+    on one worker (so all three see the same load); the first round warms up. Rollouts only, same batch."""
+    from tinkerless.functions.worker import Worker
+    from tinkerless.sdk.cli import load_config
+
+    worker = Worker(args.model)
+    runs = {}
+    for name in (SINGLE_TURN, "guess_number"):
+        config = load_config(str(EXAMPLES[name])).replace(model=args.model, batch_size=args.batch_size,
+                                                          group_size=args.group_size)
+        runs[name] = RolloutOnly(config, worker)
+    seen: dict[tuple[str, bool], list[float]] = {}
+    for round_index in range(args.compare_rollouts + 1):
+        for name, cache in ((SINGLE_TURN, True), ("guess_number", False), ("guess_number", True)):
+            worker.engine.sessions.enabled = cache
+            result = runs[name].step(round_index)
+            if round_index:
+                seen.setdefault((name, cache), []).append(result["tokens_per_s"])
+    single = statistics.median(seen[(SINGLE_TURN, True)])
+    print(f"model {args.model}, rollouts only, batch {args.batch_size} x {args.group_size}, {args.compare_rollouts} rounds "
+          f"after a warm-up round, load average {os.getloadavg()[0]:.1f}, torch threads {worker.threads.threads}")
+    print("| rollout | KV cache across turns | tok/s per round | median | vs main job |")
+    print("|---|---|---|---|---|")
+    for (name, cache), values in seen.items():
+        mode = "-" if name == SINGLE_TURN else ("on" if cache else "off")
+        print(f"| {name} | {mode} | {', '.join(f'{v:.1f}' for v in values)} | {statistics.median(values):.1f} | "
+              f"{statistics.median(values) / single:.2f} |")
 
 
 def main() -> None:
@@ -153,11 +191,16 @@ def main() -> None:
     parser.add_argument("--train-gomoku", action="store_true",
                         help="train gomoku (its update needs ~15 GB before T x T attention memory is gone); default: its rollouts only")
     parser.add_argument("--only", nargs="*", default=list(EXAMPLES), help="examples to run (names as printed)")
+    parser.add_argument("--compare-rollouts", type=int, metavar="ROUNDS",
+                        help="only rollouts: the main job's and guess_number's (cache off, on) in turn, ROUNDS rounds, one process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="interleaved", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         run_child(args)
+        return
+    if args.compare_rollouts:
+        compare_rollouts(args)
         return
     from tinkerless.sdk.cli import load_config
 

@@ -25,6 +25,7 @@ from test_sampling_integrity import END_OF_TURN, declare_end_of_turn
 import tinkerless
 from tinkerless.envs.base import MultiStepResult
 from tinkerless.functions.kv_cache import KVSession, length_buckets
+from tinkerless.functions.slicing import slice_host
 from tinkerless.functions.worker import Worker
 from tinkerless.wire import pack_code
 from tinkerless.wire.messages import (
@@ -205,6 +206,39 @@ def test_concurrent_rollouts_of_other_adapters_and_samples_share_the_batch_and_c
     assert_same_episodes(together["pa"], alone["pa"])
     assert_same_episodes(together["pb"], alone["pb"])
     assert [g.tokens for g in together["sample"]] == [g.tokens for g in alone["sample"]]
+
+
+class InterleavingHost:
+    """A slice host that pauses a call after every step and, in every other pause, runs another policy's
+    generation (which steps the shared batch, the paused call's rows included) with a session of its own."""
+
+    def __init__(self, worker: Worker):
+        self.worker, self.pauses, self.busy, self.session = worker, 0, False, KVSession()
+
+    def due(self) -> bool:
+        return not self.busy
+
+    def pause(self) -> None:
+        self.pauses += 1
+        if self.pauses % 2 == 0:
+            self.busy = True
+            try:
+                self.worker.engine.generate([[1, 2, 3 + self.pauses % 5]], SamplingParams(max_tokens=3), policy="pb",
+                                            seed=self.pauses, sessions=[self.session])
+            finally:
+                self.busy = False
+
+
+def test_a_sliced_cached_rollout_equals_the_unsliced_uncached_one(kv_worker):
+    """Time slicing on a server: the rollout pauses between steps while other calls use the model and the batch."""
+    with kv_cache(kv_worker, False):
+        expected = rollout(kv_worker, seed=9)
+    host = InterleavingHost(kv_worker)
+    with slice_host(host):
+        got = rollout(kv_worker, seed=9)
+    host.session.close()
+    assert host.pauses > 10 and got.stats["cached_prompt_tokens"] > 0
+    assert_same_episodes(got.episodes, expected.episodes)
 
 
 # -- the engine's rules for taking a kept cache --------------------------------------------------

@@ -126,8 +126,11 @@ def test_a_seeded_request_gives_the_same_tokens_sliced_or_not(tiny_model):
     worker = declare_end_of_turn(Worker(tiny_model), END_OF_TURN)
     worker.create_policy(CreatePolicyRequest("mine", LoraConfig(rank=4, seed=1)))
     worker.create_policy(CreatePolicyRequest("other", LoraConfig(rank=4, seed=2)))
-    for p in worker.policies["mine"].params:  # a visibly different policy from the base model
-        torch.nn.init.normal_(p.data, std=0.2)
+    # A visibly different policy from the base model, from its own generator (the global RNG's state depends on the
+    # tests run before), whose rows run for up to 20 steps here: enough pauses to slice.
+    generator = torch.Generator().manual_seed(4)
+    for p in worker.policies["mine"].params:
+        torch.nn.init.normal_(p.data, std=0.2, generator=generator)
     sampling = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, stop_token_ids=None)
     whole = worker.engine.generate(PROMPTS, sampling, policy="mine", seed=3)
     host = DisruptiveHost(worker)

@@ -235,13 +235,18 @@ class Batcher:
             attention[i, past + width - len(suffix):] = 1
             positions[i, width - len(suffix):] = torch.arange(cached, cached + len(suffix))
         cache = DynamicCache()
-        if past:  # the kept caches, left-padded to the longest (masked)
+        if past:  # the kept caches, left-padded to the longest; zeros for rows without one (all masked)
+            template = next(row.start.layers for _, row in rows if row.start is not None)
+
+            def padded(row: _Row, layer: int, which: int) -> torch.Tensor:
+                if row.start is None:
+                    like = template[layer][which]
+                    return like.new_zeros((like.shape[0], past, like.shape[2]))
+                return _left_pad(row.start.layers[layer][which], past, -2)
+
             cache = DynamicCache(ddp_cache_data=[
-                (torch.stack([_left_pad(row.start.layers[layer][0], past, -2) if row.start else _zeros_like_kv(rows, layer, 0, past)
-                              for _, row in rows]),
-                 torch.stack([_left_pad(row.start.layers[layer][1], past, -2) if row.start else _zeros_like_kv(rows, layer, 1, past)
-                              for _, row in rows]))
-                for layer in range(len(next(row.start for _, row in rows if row.start).layers))
+                (torch.stack([padded(row, layer, 0) for _, row in rows]), torch.stack([padded(row, layer, 1) for _, row in rows]))
+                for layer in range(len(template))
             ])
         for _, row in rows:
             row.start = None  # the keys/values now live in the batch
@@ -292,12 +297,6 @@ class Batcher:
         block.attention = torch.cat([block.attention, block.attention.new_ones((len(keep), 1))], dim=1)
         block.positions = block.positions[:, -1:] + 1
         return block
-
-
-def _zeros_like_kv(rows, layer: int, which: int, width: int) -> torch.Tensor:
-    """Masked stand-in keys/values for a row without a kept cache, in a group where others have one."""
-    like = next(row.start for _, row in rows if row.start).layers[layer][which]
-    return like.new_zeros((like.shape[0], width, like.shape[2]))
 
 
 def _assemble(parts: list[tuple[_Block, torch.Tensor]], groups: list[list[int]], count: int) -> tuple[_Block, torch.Tensor]:

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
-from transformers import DynamicCache
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from tinkerless.errors import UserError

@@ -96,9 +96,7 @@ def _run_games(engine, chat, games, *, env_cls, tasks, group_size, seats, oppone
         game.rng = random.Random(f"{seed}:{game.index}")
         game.keeper = TurnKeeper.start(env_name, agents, limits.max_turns, timeout)
         game.rewards = {a: 0.0 for a in agents}
-        # Each model-played role keeps its own conversation, and its KV cache between its turns.
-        game.runs = {a: _Run(task_index=game.task_index, task=game.task, session=KVSession())
-                     for a, s in seats.items() if s.opponent is None}
+        game.runs = {a: _Run(task_index=game.task_index, task=game.task) for a, s in seats.items() if s.opponent is None}
         try:
             game.env = env_cls()
             with measure("env"):
@@ -173,6 +171,7 @@ def _prepare_context(game: _Game, role: str, chat: ChatFormat, limits: EpisodeLi
         game.fail(f"{env_name}.observation({role!r}) at turn {game.keeper.turn_number}: {type(exc).__name__}: {exc}")
         return False
     if not run.tokens:
+        run.session = KVSession()  # the role's own KV cache, kept between its turns
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": observation}]
         run.append(chat.prompt_tokens(messages), sampled=False)
         run.prompt_length = len(run.tokens)
