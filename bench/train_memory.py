@@ -39,8 +39,6 @@ def episode(length: int, turns: int, turn_tokens: int, vocab: int, seed: int):
 
 
 def child(args) -> dict:
-    import numpy as np
-
     from tinkerless.functions import training
     from tinkerless.functions.worker import Worker
     from tinkerless.wire.messages import AdamParams, CreatePolicyRequest, Datum, LoraConfig, UpdateRequest
@@ -54,6 +52,7 @@ def child(args) -> dict:
         tokens, mask, logprobs = episode(length, args.turns, args.turn_tokens, worker.vocab_size, row)
         advantage = 1.0 if row % 2 else -1.0
         data.append(Datum(tokens=tokens, mask=mask, advantages=mask * advantage, sampler_logprobs=logprobs))
+    plan = getattr(training, "plan_micro_batches", None)  # absent in code from before issue #16
     baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
     result = worker.update(UpdateRequest("default", data, LossConfig(), AdamParams(learning_rate=1e-5)))
@@ -69,7 +68,7 @@ def child(args) -> dict:
         "peak_rss_gb": round(peak_kb / 2**20, 2),
         "rss_before_update_gb": round(baseline_kb / 2**20, 2),
         "loss": result.metrics["loss"],
-        "micro_batches": len(getattr(training, "plan_micro_batches", lambda *a: [])([len(d.tokens) for d in data], args.micro_batch_size, worker.model) or []) or None,
+        "micro_batches": len(plan([len(d.tokens) for d in data], args.micro_batch_size, worker.model)) if plan else None,
     }
 
 

@@ -210,8 +210,8 @@ def curve(run: dict) -> tuple[list[float], list[float]]:
 
 
 def equal_time_rewards(runs: list[dict]) -> dict:
-    """Each side's mean reward over its last 3 steps finished by the wall-clock time the slower side's run took
-    in total (runs of a side averaged): the reward each gets for the same time."""
+    """Each side's mean reward over its last 3 steps finished by the time the quicker side's runs took in total
+    (runs of a side averaged): the reward each gets for the same wall-clock. None: no step finished by then."""
     horizon = min(max(curve(r)[0][-1] for r in runs if r["side"] == side) for side in ("trl", "tinkerless"))
     out = {"seconds": horizon}
     for side in ("trl", "tinkerless"):
@@ -219,8 +219,9 @@ def equal_time_rewards(runs: list[dict]) -> dict:
         for run in (r for r in runs if r["side"] == side):
             xs, ys = curve(run)
             done = [y for x, y in zip(xs, ys) if x <= horizon + 1e-9]
-            values.append(statistics.mean(done[-3:]) if done else float("nan"))
-        out[side] = statistics.mean(values)
+            if done:  # a run that finished no step by then has no reward yet
+                values.append(statistics.mean(done[-3:]))
+        out[side] = statistics.mean(values) if values else None
     return out
 
 

@@ -136,7 +136,8 @@ def test_the_server_says_how_long_a_call_queued_and_the_client_records_it(tiny_m
     from tinkerless.functions.worker import Worker
 
     queued: list[float] = []
-    with serve_in_thread(create_app(Worker(tiny_model), slice_seconds=60.0)) as url:
+    app = create_app(Worker(tiny_model), slice_seconds=60.0)
+    with serve_in_thread(app) as url:
         first, second = HTTPBackend(url, timeout=120), HTTPBackend(url, timeout=120)
         second._client.event_hooks["response"].append(
             lambda r: queued.append(float(r.headers[QUEUE_SECONDS_HEADER])) if QUEUE_SECONDS_HEADER in r.headers else None
@@ -144,7 +145,9 @@ def test_the_server_says_how_long_a_call_queued_and_the_client_records_it(tiny_m
         long = SampleRequest(BASE_POLICY, [[1, 2, 3]] * 4, 1, SamplingParams(max_tokens=800, stop_token_ids=[]))
         thread = threading.Thread(target=lambda: call(first, "sample", long))
         thread.start()
-        time.sleep(0.3)  # the long call holds the model (no slicing within 60 s)
+        deadline = time.monotonic() + 60
+        while app.state.scheduler.in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the long call holds the model (no slicing within 60 s)
         started = time.perf_counter()
         call(second, "sample", SampleRequest(BASE_POLICY, [[1, 2]], 1, SamplingParams(max_tokens=2)))
         waited = time.perf_counter() - started

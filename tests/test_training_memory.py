@@ -33,9 +33,10 @@ def lora_worker(tiny_model):
     worker = Worker(tiny_model)
     worker.create_policy(CreatePolicyRequest("default", LoraConfig(rank=4, seed=3)))
     # Move the adapter off its zero init so gradients reach every LoRA matrix.
+    generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in worker.policies["default"].params:
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
     return worker
 
 
@@ -81,6 +82,14 @@ def reference(model, data: list[Datum], config: LossConfig, pad_id: int):
     return float(loss.detach()), metrics, logprobs.detach()
 
 
+def assert_grads_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Equal up to float32 rounding, which grows with the summation order of many tokens: each
+    gradient is compared to within 1e-5 of its own largest entry."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-5 * float(w.abs().max()) + 1e-12)
+
+
 def grads(worker) -> list[torch.Tensor]:
     out = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in worker.policies["default"].params]
     for p in worker.policies["default"].params:
@@ -111,8 +120,7 @@ def test_lean_path_matches_a_full_masked_batch(lora_worker, monkeypatch, config,
     for key in ("ratio_mean", "clip_fraction", "kl", "tis_weight_mean"):
         if key in expected_metrics:
             assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6), key
-    for got, want in zip(grads(lora_worker), expected_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    assert_grads_close(grads(lora_worker), expected_grads)
     # Log-probs come back in the caller's order, exact at every trained token.
     assert len(logprobs) == len(data)
     for datum, got, want in zip(data, logprobs, expected_logprobs):
@@ -146,8 +154,7 @@ def test_tis_from_the_current_pass_equals_a_separate_forward(lora_worker):
     current, _ = training.forward_backward(model, data, LossConfig(name="ppo", tis_cap=1.5, old_logprobs_current=True), pad, 4)
     for key in ("loss", "tis_weight_mean", "ratio_mean"):
         assert current[key] == pytest.approx(explicit[key], rel=1e-5, abs=1e-7)
-    for got, want in zip(grads(lora_worker), explicit_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    assert_grads_close(grads(lora_worker), explicit_grads)
 
 
 def test_tis_without_old_logprobs_still_needs_the_flag(lora_worker):
