@@ -24,6 +24,7 @@ before it ever answers right (the same shaping as examples/calculator_agent.py's
 import json
 
 import tinkerless
+from tinkerless.cloud.modal_entry import modal_entrypoint
 from tinkerless.envs.calculator import CalculatorError, evaluate, format_number, last_number, make_word_problem
 
 CALCULATOR = {
@@ -95,6 +96,8 @@ config = tinkerless.TrainConfig(
     checkpoint_every=2,
     micro_batch_size=4,  # ~330-token sequences x SmolLM2's 49k vocabulary: small micro-batches keep the update's memory down
 )
+
+app = modal_entrypoint(config)  # `modal run examples/openai_agent.py` trains this agent on Modal
 
 if __name__ == "__main__":
     tinkerless.train(config)

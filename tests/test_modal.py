@@ -118,7 +118,7 @@ def _assert_same(got, expected, where="reply"):
     elif isinstance(expected, dict):
         assert set(got) == set(expected), where
         for key in expected:
-            if key != "seconds":
+            if key != "seconds" and not key.endswith("_s"):  # timings: generate_s, env_s, ...
                 _assert_same(got[key], expected[key], f"{where}[{key!r}]")
     elif isinstance(expected, (list, tuple)):
         assert len(got) == len(expected), where
@@ -401,7 +401,8 @@ def test_train_through_modal_backend_equals_local(tiny_model, tmp_path, fakes):
         assert [m[key] for m in got.metrics] == [m[key] for m in expected.metrics], key
     adapter = "runs/r/checkpoints/step-3/adapter/adapter_model.safetensors"
     assert (tmp_path / "modal" / adapter).read_bytes() == (tmp_path / "local" / adapter).read_bytes()
-    assert {m for _, m in fakes["rollout"].log} == {"rollout"} and {m for _, m in fakes["forward"].log} == {"forward"}
+    # On-policy updates take their old log-probs from the update's own pass, so no forward call is needed.
+    assert {m for _, m in fakes["rollout"].log} == {"rollout"} and {m for _, m in fakes["forward"].log} <= {"forward"}
     assert {"create_policy", "update", "save_state"} <= {m for _, m in fakes["update"].log}
     updates = sum(1 for m in got.metrics if m["trained_sequences"])
     assert backend.usage.calls()["rollout"] == 3 and backend.usage.calls()["update"] == updates
