@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tinkerless.errors import ConfigError, TinkerlessError, UserError
-from tinkerless.functions.models import model_aliases
+from tinkerless.sdk.checkpoint_ref import same_model
 from tinkerless.sdk.client import TrainingClient
 from tinkerless.wire.messages import PolicyState
 from tinkerless.wire.runs import CheckpointPolicy
@@ -48,14 +48,6 @@ def parse_init_from(init_from: str) -> tuple[str, str | None]:
             "holding adapter_config.json",
         )
     return run_id, step
-
-
-def same_model(a: str, b: str) -> bool:
-    """Whether two model specs name the same base model (aliases, Hub id, or the same directory)."""
-    if a == b or model_aliases(a) & model_aliases(b):
-        return True
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 def check_init_from(init_from: str, host: Any, model: str, lora_rank: int) -> tuple[str, str | None]:
