@@ -21,9 +21,9 @@ import torch
 
 from tinkerless.errors import ConfigError
 
-# Activation memory one micro-batch may use before it recomputes layers in backward. On CPU the
-# default keeps an update of SmolLM2 around 2 GB however long the episodes; $TINKERLESS_ACTIVATION_MB
-# overrides it (a GPU with room to spare trains faster with a larger budget: fewer, larger matmuls).
+# Activation memory one micro-batch may keep for backward (an estimate, see below) before it recomputes
+# layers instead; $TINKERLESS_ACTIVATION_MB overrides it (a GPU with room to spare trains faster with a
+# larger budget: fewer, larger matmuls). Measured peaks: BENCHMARKS.md, "Training memory".
 DEFAULT_ACTIVATION_MB = {"cpu": 1024, "cuda": 8192}
 ACTIVATION_ENV = "TINKERLESS_ACTIVATION_MB"
 # Floats backward keeps per token per layer, per unit of hidden and intermediate size (a LoRA
