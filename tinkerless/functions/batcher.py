@@ -179,11 +179,15 @@ class Batcher:
     def _run_model(self, policies: list[str | None], **inputs):
         """One forward of rows whose policies are `policies` (one per row)."""
         engine, kwargs = self.engine, {}
-        if len(set(policies)) == 1:
+        adapters = {policy: engine.adapter_name(policy) for policy in set(policies)}
+        names = [adapters[p] for p in policies]
+        if len(set(adapters.values())) == 1:
             context = engine.activate_policy(policies[0])
         else:  # rows of several adapters: one forward, each row through its own
-            context = contextlib.nullcontext()
-            kwargs["adapter_names"] = [engine.adapter_name(p) for p in policies]
+            kwargs["adapter_names"] = names
+            # peft honours adapter_names only with adapters enabled (after a base-model forward they are off):
+            # activating one of the batch's adapters enables them (once: a switch to the active one is skipped).
+            context = engine.activate_policy(next(p for p, name in zip(policies, names) if name != BASE_ADAPTER))
         with context:
             out = engine.model(**inputs, use_cache=True, logits_to_keep=1, **kwargs)
         self.steps += 1
