@@ -118,9 +118,10 @@ class _Row:
 class GenerationJob:
     """A batch of sequences to decode: per-row prompts (and cached starts), generators, what each row has drawn.
 
-    A `Batcher` prefills and decodes its rows, alone or with other jobs' rows, drawing their tokens
-    from their logits (`choose`, or one `draw` over several jobs' rows and `record` per job). `advance(model)` runs one step of the job alone (the prefill first) with whatever adapter the
-    caller activated; between steps the job holds no reference to the model.
+    A `Batcher` prefills and decodes its rows, alone or with other jobs' rows: one `draw` over the rows of
+    the jobs that draw alike (`draw_key`), then `record` per job. `advance(model)` runs one step of the job
+    alone (the prefill first) with whatever adapter the caller activated; between steps the job holds no
+    reference to the model.
     """
 
     def __init__(
@@ -195,18 +196,12 @@ class GenerationJob:
         return [self.rows[r] for r in self._active]
 
     def finished(self, position: int, covered: int, layers: Callable[[], list]) -> None:
-        """The row at `position` among the rows active before the last `choose` has ended, with `covered` KV
+        """The row at `position` among the rows active before the last `record` has ended, with `covered` KV
         positions (prompt and drawn tokens but the last); keep its cache in its session, if it has one."""
         row = self.rows[self._finished[position]]
         if row.session is None or self.store is None or covered != len(row.prompt) + len(row.tokens) - 1:
             return
         self.store.keep(row.session, row.prompt + row.tokens[:-1], layers(), self.weights)
-
-    def choose(self, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Draw one token for each active row from `logits` (one line per active row, in order) and record it
-        (`record`). A `Batcher` draws for several jobs at once instead (`draw_rows`) and calls `record` per job."""
-        picks, picked_logprobs = self.draw(logits)
-        return self.record(picks.tolist(), picked_logprobs.tolist())
 
     def draw(
         self, logits: torch.Tensor, generators: list[torch.Generator] | None = None,
