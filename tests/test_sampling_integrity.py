@@ -226,7 +226,7 @@ def test_the_sampler_draws_from_the_filtered_distribution(eos_worker):
     rows = 4000
     job = eos_worker.engine.start([[1]] * rows, SamplingParams(max_tokens=1, temperature=1.0), seed=0)
     probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
-    picks = job._sample(probs.expand(rows, -1).clone())
+    picks, _ = job.draw(probs.log().expand(rows, -1).clone())  # softmax of the log-probs at temperature 1: probs
     counts = torch.bincount(picks, minlength=len(probs)).float()
     assert counts[probs == 0].sum() == 0
     expected = probs * rows

@@ -149,6 +149,21 @@ def test_sampling_returns_logprobs_and_prompt_logprobs(service, server):
     assert prompt_logprobs[0] is None and len(prompt_logprobs) == 4 and all(lp < 0 for lp in prompt_logprobs[1:])
 
 
+def test_a_temperature_near_zero_samples_greedily(service, server):
+    """Not a 500: dividing the logits by 1e-300 would overflow them and draw outside the vocabulary."""
+    sampler = service.create_sampling_client(base_model=server["model"]).result()
+    prompt = types.ModelInput.from_ints([3, 4, 5])
+    greedy = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[], seed=1),
+                            prompt_alt_tokens_k=2).result()
+    for temperature in (1e-300, 5e-324, 1e-5):
+        params = types.SamplingParams(max_tokens=6, temperature=temperature, stop=[], seed=2)
+        near_zero = sampler.sample(prompt, 2, sampling_params=params, prompt_alt_tokens_k=2).result()
+        assert near_zero.prompt_alt_tokens.tokens.to_numpy().tolist() == greedy.prompt_alt_tokens.tokens.to_numpy().tolist()
+        for seq, want in zip(near_zero.sequences, greedy.sequences):
+            assert list(seq.tokens) == list(want.tokens) and len(seq.tokens) == 6
+            assert list(seq.logprobs) == pytest.approx(list(want.logprobs), abs=1e-5)
+
+
 def test_stop_token_ends_a_sample(service, server):
     sampler = service.create_sampling_client(base_model=server["model"]).result()
     prompt = types.ModelInput.from_ints([3, 4, 5])

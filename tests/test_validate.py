@@ -103,7 +103,7 @@ def test_adam_ranges(field, value):
 
 
 @pytest.mark.parametrize("change", [
-    {"temperature": -1.0}, {"temperature": 1e-320}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1},
+    {"temperature": -1.0}, {"temperature": float("nan")}, {"temperature": 101.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1},
     {"top_k": VOCAB + 1}, {"max_tokens": -1}, {"max_tokens": 2**40}, {"stop_token_ids": [VOCAB]},
 ])
 def test_sampling_ranges(change):

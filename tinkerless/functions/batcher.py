@@ -179,11 +179,15 @@ class Batcher:
     def _run_model(self, policies: list[str | None], **inputs):
         """One forward of rows whose policies are `policies` (one per row)."""
         engine, kwargs = self.engine, {}
-        if len(set(policies)) == 1:
+        adapters = {policy: engine.adapter_name(policy) for policy in set(policies)}
+        names = [adapters[p] for p in policies]
+        if len(set(adapters.values())) == 1:
             context = engine.activate_policy(policies[0])
         else:  # rows of several adapters: one forward, each row through its own
-            context = contextlib.nullcontext()
-            kwargs["adapter_names"] = [engine.adapter_name(p) for p in policies]
+            kwargs["adapter_names"] = names
+            # peft honours adapter_names only with adapters enabled (after a base-model forward they are off):
+            # activating one of the batch's adapters enables them (once: a switch to the active one is skipped).
+            context = engine.activate_policy(next(p for p, name in zip(policies, names) if name != BASE_ADAPTER))
         with context:
             out = engine.model(**inputs, use_cache=True, logits_to_keep=1, **kwargs)
         self.steps += 1
@@ -270,14 +274,15 @@ class Batcher:
         return self._draw(block, out.logits[:, -1, :].float())
 
     def _draw(self, block: _Block, logits: torch.Tensor) -> _Block | None:
-        """Each member draws its rows' next tokens from `logits`; finished rows leave the batch (a row with a
-        session leaves its keys/values there first)."""
+        """Draw every row's next token from `logits` (`_draw_block`) and record each member's; finished rows
+        leave the batch (a row with a session leaves its keys/values there first)."""
+        picks_all, picked_all = _draw_block(block.members, logits)
         keep: list[int] = []
         picks: list[int] = []
         offset = 0
         for member in block.members:
             count = member.job.active_rows
-            kept, drawn = member.job.choose(logits[offset : offset + count])
+            kept, drawn = member.job.record(picks_all[offset : offset + count], picked_all[offset : offset + count])
             for position in sorted(set(range(count)) - set(kept)):
                 row = offset + position
                 member.job.finished(position, int(block.attention[row].sum()),
@@ -297,6 +302,31 @@ class Batcher:
         block.attention = torch.cat([block.attention, block.attention.new_ones((len(keep), 1))], dim=1)
         block.positions = block.positions[:, -1:] + 1
         return block
+
+
+def _draw_block(members: list[_Member], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Each row's token and its log-prob, in row order. Members that draw alike (`GenerationJob.draw_key`: the
+    same temperature and no top-k/top-p, or greedy) are drawn together, in one softmax/cumsum/searchsorted over
+    all their rows rather than one per member: every row still takes its uniform from its own generator, so it
+    draws exactly what it would alone. Rows go to Python lists once per block."""
+    groups: dict[object, list[int]] = {}  # draw key -> indices of its members
+    for i, member in enumerate(members):
+        key = member.job.draw_key
+        groups.setdefault(key if key is not None else ("alone", i), []).append(i)
+    if len(groups) == 1:  # the usual case: one draw over the whole block
+        picks, picked = members[0].job.draw(logits, [g for m in members for g in m.job.generators()])
+        return picks.tolist(), picked.tolist()
+    starts = [0]
+    for member in members:
+        starts.append(starts[-1] + member.job.active_rows)
+    picks = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    picked = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
+    for indices in groups.values():
+        rows = torch.tensor([r for i in indices for r in range(starts[i], starts[i + 1])], device=logits.device)
+        group_picks, group_picked = members[indices[0]].job.draw(
+            logits.index_select(0, rows), [g for i in indices for g in members[i].job.generators()])
+        picks[rows], picked[rows] = group_picks, group_picked
+    return picks.tolist(), picked.tolist()
 
 
 def _assemble(parts: list[tuple[_Block, torch.Tensor]], groups: list[list[int]], count: int) -> tuple[_Block, torch.Tensor]:

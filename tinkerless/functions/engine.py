@@ -35,7 +35,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from tinkerless.errors import UserError
 from tinkerless.functions.batcher import BASE_ADAPTER, Batcher
 from tinkerless.functions.kv_cache import DEFAULT_MAX_SESSION_BYTES, Continuation, KVSession, KVSessionStore
-from tinkerless.wire.messages import SamplingParams
+from tinkerless.wire.messages import GREEDY_BELOW, SamplingParams
 
 # Rows x (prompt + max_tokens) positions one batch may hold in its KV cache (~3 GB for SmolLM2-135M in fp32).
 DEFAULT_MAX_BATCH_POSITIONS = 65536
@@ -73,6 +73,31 @@ def row_seed(seed: int, index: int) -> int:
     return (seed * 6364136223846793005 + (index + 1) * 1442695040888963407) % (1 << 63)
 
 
+def draw_rows(
+    logits: torch.Tensor, temperature: float, generators: list[torch.Generator], warpers: list = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logits` and its log-prob (of the untempered distribution: what training
+    recomputes). Greedy under GREEDY_BELOW; else by inverse CDF of the tempered (and warped) softmax, with
+    one uniform draw from row i's own generator `generators[i]`: a row draws the same token whichever rows
+    are drawn with it (a vectorized pick: per-row `torch.multinomial` calls cost more than the tiny model's
+    forward)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if temperature < GREEDY_BELOW:
+        picks = logits.argmax(dim=-1)
+    else:
+        scores = logits / temperature
+        for warper in warpers:
+            scores = warper(None, scores)
+        probs = torch.softmax(scores, dim=-1)
+        uniforms = torch.stack([torch.rand((), generator=g, device=probs.device) for g in generators])
+        cdf = probs.cumsum(dim=-1)
+        # right=True: the first token whose cumulative mass exceeds u, so a zero-probability token
+        # (filtered by top_k / top_p) is never picked; u < total mass, clamped against rounding.
+        targets = torch.minimum(uniforms * cdf[:, -1], cdf[:, -1] * (1 - 1e-6))
+        picks = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
+    return picks, logprobs.gather(1, picks[:, None]).squeeze(1)
+
+
 @dataclass
 class _Row:
     generator: torch.Generator
@@ -93,9 +118,10 @@ class _Row:
 class GenerationJob:
     """A batch of sequences to decode: per-row prompts (and cached starts), generators, what each row has drawn.
 
-    A `Batcher` prefills and decodes its rows, alone or with other jobs' rows, calling `choose` with their
-    logits. `advance(model)` runs one step of the job alone (the prefill first) with whatever adapter the
-    caller activated; between steps the job holds no reference to the model.
+    A `Batcher` prefills and decodes its rows, alone or with other jobs' rows: one `draw` over the rows of
+    the jobs that draw alike (`draw_key`), then `record` per job. `advance(model)` runs one step of the job
+    alone (the prefill first) with whatever adapter the caller activated; between steps the job holds no
+    reference to the model.
     """
 
     def __init__(
@@ -129,8 +155,9 @@ class GenerationJob:
         self._finished: list[int] = []  # the rows active at the last draw
         self.error: Exception | None = None
         self._solo = None  # the private batcher of `advance`
+        self.greedy = sampling.temperature < GREEDY_BELOW  # 0, or so near it that dividing by it overflows
         self._warpers = []
-        if sampling.temperature > 0:
+        if not self.greedy:
             if sampling.top_k and sampling.top_k > 0:
                 self._warpers.append(TopKLogitsWarper(sampling.top_k))
             if sampling.top_p < 1.0:
@@ -169,29 +196,39 @@ class GenerationJob:
         return [self.rows[r] for r in self._active]
 
     def finished(self, position: int, covered: int, layers: Callable[[], list]) -> None:
-        """The row at `position` among the rows active before the last `choose` has ended, with `covered` KV
+        """The row at `position` among the rows active before the last `record` has ended, with `covered` KV
         positions (prompt and drawn tokens but the last); keep its cache in its session, if it has one."""
         row = self.rows[self._finished[position]]
         if row.session is None or self.store is None or covered != len(row.prompt) + len(row.tokens) - 1:
             return
         self.store.keep(row.session, row.prompt + row.tokens[:-1], layers(), self.weights)
 
-    def choose(self, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Draw one token for each active row from `logits` (one line per active row, in order) and record it.
+    def draw(
+        self, logits: torch.Tensor, generators: list[torch.Generator] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next tokens and their log-probs, drawn from `logits` by this job's sampling: by default for its
+        active rows; a `Batcher` passes the generators of several jobs' rows that draw alike (`draw_key`)."""
+        return draw_rows(logits, self.sampling.temperature, self.generators() if generators is None else generators,
+                         self._warpers)
+
+    @property
+    def draw_key(self) -> object:
+        """Jobs with equal keys draw alike, so their rows can be drawn together in one `draw_rows`:
+        greedy jobs, or the temperature of jobs without top-k/top-p; None: this job draws alone."""
+        if self.greedy:
+            return "greedy"
+        return None if self._warpers else float(self.sampling.temperature)
+
+    def generators(self) -> list[torch.Generator]:
+        """The active rows' generators, in batch order."""
+        return [self.rows[r].generator for r in self._active]
+
+    def record(self, picks: list[int], picked_logprobs: list[float]) -> tuple[list[int], list[int]]:
+        """Record the token each active row drew (and its log-prob); rows that stopped leave `active`.
 
         Returns (keep, picks): the positions among the active rows that go on decoding, and the
-        token each of them drew (its next input). Rows that stopped leave `active`.
+        token each of them drew (its next input).
         """
-        logprobs = torch.log_softmax(logits, dim=-1)  # of the untempered distribution: what training recomputes
-        if self.sampling.temperature > 0:
-            scores = logits / self.sampling.temperature
-            for warper in self._warpers:
-                scores = warper(None, scores)
-            picks = self._sample(torch.softmax(scores, dim=-1))
-        else:
-            picks = logits.argmax(dim=-1)
-        picked_logprobs = logprobs.gather(1, picks[:, None]).squeeze(1).tolist()
-        picks = picks.tolist()
         keep: list[int] = []
         for b, r in enumerate(self._active):
             row, token = self.rows[r], picks[b]
@@ -216,18 +253,6 @@ class GenerationJob:
         self.error = error
         self._active = []
         self._solo = None
-
-    def _sample(self, probs: torch.Tensor) -> torch.Tensor:
-        """One token per active row by inverse CDF, with one uniform draw from each row's own generator
-        (a vectorized pick: per-row `torch.multinomial` calls cost more than the tiny model's forward)."""
-        uniforms = torch.stack(
-            [torch.rand((), generator=self.rows[r].generator, device=self.device) for r in self._active]
-        )
-        cdf = probs.cumsum(dim=-1)
-        # right=True: the first token whose cumulative mass exceeds u, so a zero-probability token
-        # (filtered by top_k / top_p) is never picked; u < total mass, clamped against rounding.
-        targets = torch.minimum(uniforms * cdf[:, -1], cdf[:, -1] * (1 - 1e-6))
-        return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
 
     def results(self) -> list[Generation]:
         return [Generation(r.tokens, r.logprobs, r.stop_reason or "length",

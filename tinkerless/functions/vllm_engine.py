@@ -23,7 +23,7 @@ from typing import Callable
 
 from tinkerless.errors import ConfigError
 from tinkerless.functions.engine import Generation, row_seed
-from tinkerless.wire.messages import SamplingParams
+from tinkerless.wire.messages import GREEDY_BELOW, SamplingParams
 
 
 def vllm_available() -> bool:
@@ -89,7 +89,7 @@ class VLLMEngine:
         params = [
             VSamplingParams(
                 max_tokens=sampling.max_tokens,
-                temperature=sampling.temperature,
+                temperature=0.0 if sampling.temperature < GREEDY_BELOW else sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k if sampling.top_k > 0 else -1,
                 seed=row_seed(seed, index),

@@ -16,10 +16,15 @@ from tinkerless.wire.code import CodeBlob
 BASE_POLICY = "base"  # the base model with every adapter switched off, on every worker
 
 
+# A temperature under this samples greedily, in every API and engine: dividing logits by a temperature near
+# zero overflows them to inf (NaN probabilities), and the draw there is the argmax anyway.
+GREEDY_BELOW = 1e-4
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 (or anything under GREEDY_BELOW): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     stop_token_ids: list[int] | None = None  # None = the model's end-of-turn tokens; [] = never stop early

@@ -31,7 +31,6 @@ MAX_SEED = 2**63 - 1
 # limits on tokens and samples are stricter and apply on top.
 MAX_TOKENS = 1 << 20
 MAX_COUNT = 1 << 16
-MIN_TEMPERATURE = 1e-3
 MAX_POLICY_NAME = 200  # worker-side names (tenant and run prefixes included) become file names (255 bytes)
 _POLICY_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -182,9 +181,11 @@ def policy_name(value: Any, path: str) -> None:
 
 
 def _temperature(value: Any, path: str) -> None:
-    # 0 is greedy; a positive one this small divides the logits into infinities.
-    if value != 0 and not MIN_TEMPERATURE <= value <= 100:
-        _fail(path, f"is {value!r}; use 0 (greedy) or a value in [{MIN_TEMPERATURE}, 100]")
+    # 0, and anything under GREEDY_BELOW, samples greedily (the rule of every API and engine); NaN is refused.
+    from tinkerless.wire.messages import GREEDY_BELOW
+
+    if not 0 <= value <= 100:
+        _fail(path, f"is {value!r}; use a value in [0, 100] (0, or anything under {GREEDY_BELOW}: greedy)")
 
 
 def trainable_policy(value: Any, path: str) -> None:

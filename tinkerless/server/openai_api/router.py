@@ -32,11 +32,11 @@ from tinkerless.server.openai_api.output import (
 )
 from tinkerless.server.openai_api.render import chat_format, check_tools, parse_tool_calls, render_chat
 from tinkerless.server.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from tinkerless.wire.messages import GREEDY_BELOW
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 1024  # a chat completion without max_tokens (capped by the context and the backend)
-GREEDY_BELOW = 1e-4  # temperatures under this sample greedily (see _temperature)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (capped the same way)
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -201,8 +201,8 @@ def openai_router(
 
 
 def _temperature(value: float | None) -> float:
-    """OpenAI's default is 1. Below GREEDY_BELOW, sampling is greedy: dividing logits by a temperature near zero
-    overflows them to inf (NaN probabilities), and the draw there is the argmax anyway."""
+    """OpenAI's default is 1. Below GREEDY_BELOW, sampling is greedy (the engines' rule for every API: dividing
+    logits by a temperature near zero overflows them to inf, and the draw there is the argmax anyway)."""
     if value is None:
         return 1.0
     return 0.0 if value < GREEDY_BELOW else float(value)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinkerless.errors import UserError
+from tinkerless.wire.messages import GREEDY_BELOW
 
 MAX_PROMPT_K = 1024  # top-k / target columns / alternative draws per position
 TOPK_EMPTY_LOGPROB = -99999.0  # the SDK's sentinel for an empty top-k cell (token id 0)
@@ -90,7 +91,7 @@ class PromptScoring:
                 asked = torch.as_tensor(self.targets[start:end], device=device)
                 targets[start:end] = logsoftmax.gather(1, asked.clamp(min=0)).cpu().numpy()
             if self.alt_k:
-                if temperature > 0:
+                if temperature >= GREEDY_BELOW:  # under it, dividing by it overflows: greedy, as sampling is
                     probs = torch.softmax(chunk.cpu() / temperature, dim=-1)
                     draws = torch.multinomial(probs, self.alt_k, replacement=True, generator=generator)
                 else:  # greedy: every draw is the argmax
