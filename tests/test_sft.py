@@ -225,3 +225,17 @@ def test_unknown_sft_setting_is_named(tiny_model):
         sft(model=tiny_model)
     with pytest.raises(UserError):
         sft(model=tiny_model, data=_examples(2), eval_fraction=1.5)
+
+
+def test_train_resume_refuses_an_sft_run_and_leaves_it_as_it_was(tiny_model, tmp_path):
+    import tinkerless
+
+    tinkerless.sft(model=tiny_model, data=_examples(2), steps=1, batch_size=2, storage=str(tmp_path), run_id="sft1",
+                   progress=False)
+    state = (tmp_path / "runs/sft1/state.json").read_bytes()
+    with pytest.raises(UserError, match="'sft1' is an SFT run") as info:
+        tinkerless.train(model=tiny_model, reward=lambda completion, task: 0.0, tasks=[{"prompt": "x"}], steps=2,
+                         batch_size=1, group_size=2, max_tokens=2, storage=str(tmp_path), run_id="sft1", resume=True,
+                         progress=False)
+    assert "init_from='sft1@latest'" in info.value.hint
+    assert (tmp_path / "runs/sft1/state.json").read_bytes() == state

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from tinkerless.coordinator import Coordinator
-from tinkerless.errors import EnvError
+from tinkerless.errors import EnvError, UserError
 from tinkerless.sdk.accounting import RunUsage, format_usage, latest_usage
 from tinkerless.sdk.advantages import group_advantages
 from tinkerless.sdk.backends import Backend, device_of, make_backend, with_usage
@@ -176,7 +176,14 @@ class _Run:
         config = self.config
         if config.resume:
             run_id = config.run_id or self.host.latest_run_id(config.name)
-            return self.host.open(run_id), True
+            coordinator = self.host.open(run_id)
+            if coordinator.state.config.get("kind") == "sft":  # checked before anything of that run changes
+                raise UserError(
+                    f"run {run_id!r} is an SFT run, so `train --resume` cannot continue it",
+                    hint=f"resume it with `tinkerless sft DATA --resume --run-id {run_id}`, or start an RL run "
+                    f"from it with init_from='{run_id}@latest'",
+                )
+            return coordinator, True
         run_id = config.run_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16**4):04x}"
         return self.host.create(run_id, config.summary()), False
 
