@@ -41,7 +41,7 @@ FIELD_DOCS: dict[str, str] = {
     "(`sequence` for grpo, `constant` for dr_grpo).",
     "clip_low": "Lower clip of the probability ratio (ppo, cispo): 1 - clip_low.",
     "clip_high": "Upper clip of the probability ratio (ppo, cispo): 1 + clip_high.",
-    "tis_cap": "Truncated importance-sampling cap for the sampler/trainer mismatch; adds a forward pass per step. "
+    "tis_cap": "Truncated importance-sampling cap for the sampler/trainer mismatch; the trainer's log-probs come from the update's own pass (no extra forward). "
     "None: off.",
     "kl_coef": "Weight of the k3 KL penalty to the base model (the adapter switched off); 0: no penalty.",
     "learning_rate": "Adam learning rate of the LoRA adapter.",
