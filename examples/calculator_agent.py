@@ -30,7 +30,7 @@ import time
 
 import tinkerless
 from tinkerless.cloud.modal_entry import modal_entrypoint
-from tinkerless.envs.calculator import CalculatorEnv, make_demonstrations, make_word_problem
+from tinkerless.envs.calculator import CalculatorEnv, make_calculation_problem, make_demonstrations, solved_calculation_problem
 
 DEMONSTRATIONS = 32  # a few dozen generated, correct tool-using episodes
 
@@ -51,16 +51,16 @@ config = tinkerless.TrainConfig(
     name="calculator-agent",
     model="smollm2",
     env=CalculatorEnv,
-    tasks=make_word_problem,
-    steps=6,
-    batch_size=4,
-    group_size=4,
+    tasks=make_calculation_problem,
+    steps=10,
+    batch_size=2,
+    group_size=8,  # 8 samples per question: groups are seldom all-equal, so advantages have variance
     max_turns=3,  # CalculatorEnv allows 2 tool calls, so turn 3 is always its answer
     max_tokens=48,  # a tool call is about 30 tokens
     max_episode_tokens=768,
     temperature=0.8,
     learning_rate=1e-3,
-    checkpoint_every=3,
+    checkpoint_every=5,
     micro_batch_size=4,  # ~440-token episodes: smaller micro-batches keep the update's logits within a few GB
 )
 
@@ -69,14 +69,14 @@ app = modal_entrypoint(config)  # `modal run examples/calculator_agent.py` train
 
 def write_demonstrations(path: str, count: int = DEMONSTRATIONS, seed: int = 0) -> str:
     with open(path, "w", encoding="utf-8") as handle:
-        for demo in make_demonstrations(count, seed=seed):
+        for demo in make_demonstrations(count, seed=seed, problems=solved_calculation_problem):
             handle.write(json.dumps({"messages": demo["messages"]}) + "\n")
     return path
 
 
 def main() -> None:
     started = time.perf_counter()
-    demos = [{"messages": d["messages"]} for d in make_demonstrations(DEMONSTRATIONS, seed=config.seed)]
+    demos = [{"messages": d["messages"]} for d in make_demonstrations(DEMONSTRATIONS, seed=config.seed, problems=solved_calculation_problem)]
     warm = tinkerless.sft(sft_config.replace(data=demos, seed=config.seed))
     sft_s = time.perf_counter() - started
     rl = tinkerless.train(config.replace(init_from=f"{warm.run_id}@latest"))
