@@ -16,8 +16,10 @@ and ends with <answer>43947</answer>.
 The tasks are one-operation calculations stated in the question ("What is 771 * 57?",
 "How much is 2968 divided by 56?", `make_calculation_problem`): numbers too large for a
 135M model to guess, so the reward comes from using the tool. The multi-step word problems
-(`make_word_problem`, "9 boxes of 14 apples, eats 93") are the harder variant: with this
-budget RL learns the call format on them but not the right expressions (BENCHMARKS.md).
+(`make_word_problem`, "9 boxes of 14 apples, eats 93") are the harder variant: an earlier
+budget (groups of 4, no 0.3 reward step) learned the call format on them but not the right
+expressions. On the calculations this example goes from 0.05 at RL step 0 to 1.0 by step 8
+(BENCHMARKS.md has the curve).
 Swap `tasks=make_word_problem` and `problems=solved_word_problem` to try them.
 
 RL alone stays near reward 0 here: the 135M model seldom writes a well-formed tool call, so
