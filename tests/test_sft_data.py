@@ -161,13 +161,22 @@ def test_holdout_split_is_seeded_and_disjoint(renderer):
     assert all(isinstance(e.weights, np.ndarray) and e.weights[0] == 0 for e in examples)
 
 
-def test_generated_calculator_demonstrations_are_correct_episodes_of_the_env(renderer):
+@pytest.mark.parametrize("kind", ["word", "calculation"])
+def test_generated_calculator_demonstrations_are_correct_episodes_of_the_env(renderer, kind):
     import random
 
-    from tinkerless.envs.calculator import CalculatorEnv, make_demonstrations, make_word_problem
+    from tinkerless.envs.calculator import (
+        CalculatorEnv,
+        make_calculation_problem,
+        make_demonstrations,
+        make_word_problem,
+        solved_calculation_problem,
+        solved_word_problem,
+    )
 
-    demos = make_demonstrations(30, seed=4)
-    assert demos == make_demonstrations(30, seed=4)  # reproducible
+    solver, generator = {"word": (solved_word_problem, make_word_problem), "calculation": (solved_calculation_problem, make_calculation_problem)}[kind]
+    demos = make_demonstrations(30, seed=4, problems=solver)
+    assert demos == make_demonstrations(30, seed=4, problems=solver)  # reproducible
     assert len({d["task"]["question"] for d in demos}) > 25
     env = CalculatorEnv()
     for demo in demos:
@@ -181,10 +190,8 @@ def test_generated_calculator_demonstrations_are_correct_episodes_of_the_env(ren
         observation = replay.step(messages[2]["content"])
         assert observation.observation == messages[3]["content"] == f"<tool_response>{demo['task']['answer']}</tool_response>"
         assert replay.step(messages[4]["content"]).reward == 1.0
-    # Tasks come from the env's own generator: the same templates and the same kinds of questions.
-    assert {make_word_problem(random.Random(i))["question"].split()[-1] for i in range(50)} >= {
-        d["task"]["question"].split()[-1] for d in demos
-    }
+    # Tasks are exactly what the generator RL trains on makes from the same random state.
+    assert [d["task"] for d in demos] == [generator(random.Random(f"demo:4:{i}")) for i in range(30)]
     first = demos[0]["messages"]
     example = renderer.render(to_messages({"messages": first}, "demo"), "demo", 1)
     assert example.trained_tokens == len(first[2]["content"]) + len(first[4]["content"]) + 2  # bytes + 2 <|im_end|>

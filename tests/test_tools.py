@@ -9,7 +9,14 @@ import time
 import pytest
 
 import tinkerless
-from tinkerless.envs.calculator import CalculatorEnv, CalculatorError, calculator, make_word_problem
+from tinkerless.envs.calculator import (
+    CalculatorEnv,
+    CalculatorError,
+    calculator,
+    make_calculation_problem,
+    make_word_problem,
+    solved_calculation_problem,
+)
 from tinkerless.envs.tools import (
     FinalAnswer,
     ParseError,
@@ -229,6 +236,22 @@ def test_calculator_rejects_unsafe_or_bad_expressions_quickly(expression, fragme
     assert time.perf_counter() - started < 1.0  # an error, never a hang
 
 
+def test_calculation_problems_state_one_operation_with_an_integer_answer_too_large_to_guess():
+    tasks = [make_calculation_problem(random.Random(seed)) for seed in range(200)]
+    assert tasks == [make_calculation_problem(random.Random(seed)) for seed in range(200)]
+    assert len({t["question"] for t in tasks}) == 200
+    symbols = set()
+    for seed in range(200):
+        task, expression = solved_calculation_problem(random.Random(seed))
+        assert calculator(expression=expression) == str(task["answer"])  # integer: divisions are exact
+        assert isinstance(task["answer"], int) and abs(task["answer"]) >= 10
+        left, symbol, right = expression.split()
+        symbols.add(symbol)
+        assert left in task["question"] and right in task["question"]  # the operands are stated
+    assert symbols == {"+", "-", "*", "/"}
+    assert any("times" in t["question"] or "divided by" in t["question"] for t in tasks)  # some in words
+
+
 def test_word_problems_are_deterministic_and_have_positive_integer_answers():
     tasks = [make_word_problem(random.Random(seed)) for seed in range(60)]
     assert tasks == [make_word_problem(random.Random(seed)) for seed in range(60)]
@@ -322,9 +345,13 @@ def test_calculator_env_rewards_right_answers_and_gives_partial_credit():
     assert play("<answer>31</answer>") == 1.0
     assert play("Tom has 36 apples, eats 5, so 31 are left.") == 1.0  # untagged text is the answer
     assert play("<answer>30</answer>") == 0.0
-    assert play(_call("calculator", expression="3 * 12"), "<answer>36</answer>") == 0.2  # well-formed call, wrong
+    assert play(_call("calculator", expression="3 * 12"), "<answer>36</answer>") == 0.3  # answered with the tool's (wrong) result
+    assert play(_call("calculator", expression="3 * 12"), "<answer>35</answer>") == 0.2  # well-formed call, answer not from it
+    assert play(_call("calculator", expression="3 * 12"), "<answer>I am not sure</answer>") == 0.2
+    assert play(_call("calculator", expression="3 * 12"), _call("calculator", expression="3 + 12"), "<answer>36</answer>") == 0.3
     assert play(_call("calculator", expression="3 * 12 - 5"), "<answer>I am not sure</answer>") == 0.5
     assert play(_call("calculator", expression="3 * 12 - 5"), "<answer>31</answer>") == 1.0
+    assert play(_call("calculator", expression="3 * 12 - 5"), "<answer>36</answer>") == 0.5  # right result beats a wrong answer
     assert play(_call("calculator", expression="3 apples"), "<answer>36</answer>") == 0.1  # tried; the call failed
     assert play("<tool_call>{'expression': '3*12'}</tool_call>", "<answer>36</answer>") == 0.1  # tried; bad JSON
     calls = [_call("calculator", expression="3 * 12")] * (CalculatorEnv.max_tool_calls + 1)
@@ -378,7 +405,7 @@ def test_real_rollout_on_tiny_model_masks_tool_responses(worker):
     for episode in calc:
         assert episode.status in ("ok", "truncated"), episode.error
         assert episode.transcript[0]["role"] == "system" and "<tool_call>" in episode.transcript[0]["content"]
-        assert episode.reward in (0.0, 0.2, 0.5, 1.0)
+        assert episode.reward in (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 
     forced = worker.rollout(
         RolloutRequest(policy="base", tasks=[{"word": "hi"}], group_size=2, sampling=sampling, limits=limits, seed=0, env=pack_code(ForcedCallEnv))

@@ -198,18 +198,53 @@ def _stickers(rng: random.Random, name: str) -> tuple[str, int, str]:
 TEMPLATES: list[Callable[[random.Random, str], tuple[str, int, str]]] = [_apples, _change, _reading, _groups, _trip, _stickers]
 
 
-def make_word_problem(rng: random.Random) -> dict:
-    """A task `{"question": str, "answer": int}` from a random template with random numbers."""
-    template = rng.choice(TEMPLATES)
-    question, answer, _expression = template(rng, rng.choice(_NAMES))
-    return {"question": question, "answer": answer}
-
-
-def _solved_word_problem(rng: random.Random) -> tuple[dict, str]:
-    """The task `make_word_problem(rng)` makes, with the expression that solves it."""
+def solved_word_problem(rng: random.Random) -> tuple[dict, str]:
+    """A word problem `{"question": str, "answer": int}` from a random template, and the expression that solves it."""
     template = rng.choice(TEMPLATES)
     question, answer, expression = template(rng, rng.choice(_NAMES))
     return {"question": question, "answer": answer}, expression
+
+
+def make_word_problem(rng: random.Random) -> dict:
+    """A task `{"question": str, "answer": int}`: two or three operations the model must read out of the story."""
+    return solved_word_problem(rng)[0]
+
+
+# ---------------------------------------------------------------------------
+# calculation problems: one operation on numbers too large to guess, the expression stated in the question
+# (the easier task distribution: a small model learns to hand it to the calculator within a few RL steps)
+
+_OPERATIONS = {"+": "plus", "-": "minus", "*": "times", "/": "divided by"}
+_PHRASINGS = ["What is {expression}?", "Compute {expression}.", "How much is {words}?", "Calculate {expression}."]
+
+
+def solved_calculation_problem(rng: random.Random) -> tuple[dict, str]:
+    """"What is 347 * 29?": a task `{"question": str, "answer": int}` and its expression.
+
+    Operands have 2-4 digits so the product, sum or difference is not something a
+    135M model gets right by guessing; divisions are exact, so every answer is an integer.
+    """
+    symbol = rng.choice(list(_OPERATIONS))
+    if symbol == "*":
+        left, right = rng.randint(12, 999), rng.randint(12, 99)
+    elif symbol == "/":
+        right = rng.randint(3, 99)
+        left = right * rng.randint(12, 999)
+    elif symbol == "+":
+        left, right = rng.randint(100, 9999), rng.randint(100, 9999)
+    else:  # a difference of at least 10: no 4567 - 4566
+        right = rng.randint(100, 4999)
+        left = rng.randint(right + 10, 9999)
+    expression = f"{left} {symbol} {right}"
+    words = f"{left} {_OPERATIONS[symbol]} {right}"
+    question = rng.choice(_PHRASINGS).format(expression=expression, words=words)
+    answer = evaluate(expression)
+    return {"question": question, "answer": int(answer)}, expression
+
+
+def make_calculation_problem(rng: random.Random) -> dict:
+    """A task `{"question": str, "answer": int}` with one stated operation ("What is 347 * 29?")."""
+    return solved_calculation_problem(rng)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -226,13 +261,19 @@ def last_number(text: str) -> float | None:
 
 @env
 class CalculatorEnv(ToolEnv):
-    """Word problems with a calculator. Reward, with partial credit so a small model has signal:
+    """Math problems with a calculator. Reward, with partial credit so a small model has signal:
 
     - 1.0: the last number in the final answer is the right one;
     - 0.5: not answered right, but a calculator call returned the right number;
+    - 0.3: answered with a number a calculator call returned, but a wrong one (the tool's
+      result was used, the expression was wrong);
     - 0.2: not answered right, but the calculator was called with a well-formed expression;
     - 0.1: a <tool_call> was attempted but could not be run (bad JSON, unknown tool, bad arguments);
     - 0.0: otherwise.
+
+    The 0.3 step separates "called, then answered with the result" from "called and never
+    answered": without it, a group in which every episode makes a well-formed call with a
+    wrong expression scores a flat 0.2 and has no advantage to learn from.
 
     The question ends with a one-line format `reminder`: SmolLM2-135M ignores the
     format in the system prompt, but with the reminder about a third of its replies
@@ -242,7 +283,7 @@ class CalculatorEnv(ToolEnv):
     tools = [calculator]
     max_tool_calls = 2  # below a typical max_turns of 3, so the env ends episodes itself
     instructions = (
-        "Solve the math word problem. Call the calculator to compute, "
+        "Solve the math problem. Call the calculator to compute, "
         "then give the final number in <answer></answer> tags."
     )
     reminder = "Reply with a <tool_call> to the calculator, or with <answer>NUMBER</answer>."
@@ -256,15 +297,18 @@ class CalculatorEnv(ToolEnv):
         number = last_number(answer)
         if number is not None and math.isclose(number, self.answer):
             return 1.0
-        return self.partial_credit()
+        return self.partial_credit(answered=number)
 
     def out_of_tool_calls(self) -> float:
-        return self.partial_credit()
+        return self.partial_credit(answered=None)
 
-    def partial_credit(self) -> float:
+    def partial_credit(self, answered: float | None) -> float:
         good = [c for c in self.calls if c.ok and c.name == calculator.name]
-        if any(last_number(c.result) == self.answer for c in good):
+        results = [last_number(c.result) for c in good]
+        if self.answer in results:
             return 0.5
+        if answered is not None and answered in results:
+            return 0.3
         if good:
             return 0.2
         return 0.1 if self.calls else 0.0
@@ -274,16 +318,21 @@ class CalculatorEnv(ToolEnv):
 # demonstrations: correct tool-using episodes for an SFT warm start
 
 
-def make_demonstration(rng: random.Random, env_cls: type | None = None) -> dict:
+Solver = Callable[[random.Random], "tuple[dict, str]"]
+
+
+def make_demonstration(rng: random.Random, env_cls: type | None = None, problems: Solver = solved_word_problem) -> dict:
     """One correct episode as SFT chat data `{"messages": [...]}`, played through the env itself.
 
     The system prompt, the first user message and the tool's response are the env's own
     (exactly what a rollout shows the model); the two assistant turns are a well-formed
     calculator call with the expression that solves the problem, and `<answer>N</answer>`.
     The episode is checked to earn reward 1.0, so a demonstration is never wrong.
+    `problems` is the task generator with its solution (`solved_word_problem`,
+    `solved_calculation_problem`): demonstrations come from the distribution RL trains on.
     """
     env_cls = env_cls or CalculatorEnv
-    task, expression = _solved_word_problem(rng)
+    task, expression = problems(rng)
     env = env_cls()
     messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": env.reset(**task)}]
     call = json.dumps({"name": calculator.name, "arguments": {"expression": expression}})
@@ -297,9 +346,23 @@ def make_demonstration(rng: random.Random, env_cls: type | None = None) -> dict:
     return {"messages": messages, "task": task}
 
 
-def make_demonstrations(count: int, seed: int = 0, env_cls: type | None = None) -> list[dict]:
+def make_demonstrations(count: int, seed: int = 0, env_cls: type | None = None, problems: Solver = solved_word_problem) -> list[dict]:
     """`count` demonstrations (`make_demonstration`), reproducible from `seed`."""
-    return [make_demonstration(random.Random(f"demo:{seed}:{i}"), env_cls) for i in range(count)]
+    return [make_demonstration(random.Random(f"demo:{seed}:{i}"), env_cls, problems) for i in range(count)]
 
 
-__all__ = ["CalculatorEnv", "CalculatorError", "TEMPLATES", "calculator", "evaluate", "format_number", "last_number", "make_demonstration", "make_demonstrations", "make_word_problem"]
+__all__ = [
+    "CalculatorEnv",
+    "CalculatorError",
+    "TEMPLATES",
+    "calculator",
+    "evaluate",
+    "format_number",
+    "last_number",
+    "make_calculation_problem",
+    "make_demonstration",
+    "make_demonstrations",
+    "make_word_problem",
+    "solved_calculation_problem",
+    "solved_word_problem",
+]
