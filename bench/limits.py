@@ -70,25 +70,11 @@ def update_flops(model, lengths: list[int], trained: int) -> float:
     return forward + attention + head + backward
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+def vs_trl_batch(worker, seed: int = 0):
+    """The vs_trl job's update batch: 8 chat prompts x 4 samples of 12 random tokens, random advantages."""
+    from tinkerless.wire.messages import Datum
 
-    from transformers import AutoModelForCausalLM
-
-    from tinkerless.functions.losses import LossConfig
-    from tinkerless.functions.models import resolve_model
-    from tinkerless.functions.worker import Worker
-    from tinkerless.wire.messages import BASE_POLICY, AdamParams, CreatePolicyRequest, Datum, LoraConfig, SampleRequest, SamplingParams, UpdateRequest
-
-    out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
-    out["matmul_peak"] = matmul_peak(args.repeats)
-
-    worker = Worker(args.model)
-    worker.create_policy(CreatePolicyRequest("default", LoraConfig(rank=16, target_modules="all-linear")))
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     prompts = [
         worker.chat.prompt_tokens([{"role": "user", "content": f"What is {a} + {b}? Answer with a number."}])
         for a, b in rng.integers(0, 10, size=(PROMPTS, 2))
@@ -100,6 +86,28 @@ def main() -> None:
             mask = np.array([0.0] * len(prompt) + [1.0] * NEW_TOKENS, dtype=np.float32)
             adv = float(rng.normal())
             data.append(Datum(tokens=prompt + sampled, mask=mask, advantages=mask * adv, sampler_logprobs=mask * -2.0))
+    return prompts, data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from tinkerless.functions.losses import LossConfig
+    from tinkerless.functions.models import resolve_model
+    from tinkerless.functions.worker import Worker
+    from tinkerless.wire.messages import BASE_POLICY, AdamParams, CreatePolicyRequest, LoraConfig, SampleRequest, SamplingParams, UpdateRequest
+
+    out: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    out["matmul_peak"] = matmul_peak(args.repeats)
+
+    worker = Worker(args.model)
+    worker.create_policy(CreatePolicyRequest("default", LoraConfig(rank=16, target_modules="all-linear")))
+    prompts, data = vs_trl_batch(worker)
     lengths = [len(d.tokens) for d in data]
     plan = plan_micro_batches(lengths, worker.micro_batch_size, worker.model)
     update_times = []

@@ -72,11 +72,11 @@ def reference(model, data: list[Datum], config: LossConfig, pad_id: int):
     loss, metrics = compute_loss(
         config,
         logprobs,
-        batch.field(data, "mask"),
-        advantages=batch.field(data, "advantages"),
-        sampler_logprobs=batch.field(data, "sampler_logprobs"),
-        old_logprobs=batch.field(data, "old_logprobs"),
-        ref_logprobs=batch.field(data, "ref_logprobs"),
+        batch.field([d.mask for d in data]),
+        advantages=batch.field([d.advantages for d in data]),
+        sampler_logprobs=batch.field([d.sampler_logprobs for d in data]),
+        old_logprobs=batch.field([d.old_logprobs for d in data]),
+        ref_logprobs=batch.field([d.ref_logprobs for d in data]),
     )
     loss.backward()
     return float(loss.detach()), metrics, logprobs.detach()

@@ -69,6 +69,14 @@ def activation_bytes_per_token(model) -> int | None:
     return layers * (_HIDDEN_FLOATS * hidden + _INTERMEDIATE_FLOATS * intermediate) * element
 
 
+def model_token_budget(model) -> int:
+    """Padded tokens one micro-batch of `model` may hold within the activation budget without recompute."""
+    per_token = activation_bytes_per_token(model)
+    if per_token is None:
+        return FALLBACK_TOKEN_BUDGET
+    return max(1, activation_budget_bytes(next(model.parameters()).device) // per_token)
+
+
 def plan_micro_batches(
     lengths: list[int], micro_batch_size: int, model=None, *, token_budget: int | None = None
 ) -> list[MicroBatch]:
@@ -79,13 +87,8 @@ def plan_micro_batches(
     """
     if micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size={micro_batch_size} must be >= 1", hint="e.g. 16")
-    per_token = activation_bytes_per_token(model) if model is not None and token_budget is None else None
     if token_budget is None:
-        if per_token is None:
-            token_budget = FALLBACK_TOKEN_BUDGET
-        else:
-            device = next(model.parameters()).device
-            token_budget = max(1, activation_budget_bytes(device) // per_token)
+        token_budget = model_token_budget(model) if model is not None else FALLBACK_TOKEN_BUDGET
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     plan: list[MicroBatch] = []
     current: list[int] = []

@@ -9,14 +9,19 @@ normalized over the whole batch. Results come back in the caller's order.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tinkerless.functions.losses import LossConfig, compute_loss
-from tinkerless.functions.micro_batches import plan_micro_batches, recompute_in_backward
+from tinkerless.functions import shared_prefix
+from tinkerless.functions.micro_batches import model_token_budget, plan_micro_batches, recompute_in_backward
 from tinkerless.wire.messages import Datum
+
+# "0" turns prompt sharing off (the plain path for every row), for comparisons.
+SHARED_PREFIX_ENV = "TINKERLESS_SHARED_PREFIX"
 
 
 @dataclass
@@ -25,8 +30,8 @@ class Batch:
     attention: torch.Tensor  # [B, T]
     lengths: list[int]
 
-    def field(self, data: list[Datum], name: str) -> torch.Tensor | None:
-        values = [getattr(d, name) for d in data]
+    def field(self, values: list) -> torch.Tensor | None:
+        """A per-token datum field (mask, advantages, ...) as a padded tensor; None where any row lacks it."""
         if any(v is None for v in values):
             return None
         out = torch.zeros(self.input_ids.shape, dtype=torch.float32)
@@ -107,49 +112,98 @@ def _normalizer(config: LossConfig, masks: list[np.ndarray]) -> float:
 def forward_backward(
     model, data: list[Datum], config: LossConfig, pad_id: int, micro_batch_size: int
 ) -> tuple[dict[str, float], list[np.ndarray]]:
-    """Accumulate gradients of the batch loss into the trainable parameters."""
+    """Accumulate gradients of the batch loss into the trainable parameters.
+
+    Rows that share their untrained prompt run it once per group (`shared_prefix.py`); the rest are
+    right-padded micro-batches of similar lengths. Both give the same loss up to float rounding.
+    """
     config.validate()
     device = next(model.parameters()).device
     masks = [np.asarray(d.mask, dtype=np.float32) for d in data]
-    total = _normalizer(config, masks)
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    entropy_sum, token_count = 0.0, 0.0
+    totals = _Totals(config, _normalizer(config, masks))
     all_logprobs: list[np.ndarray | None] = [None] * len(data)
-    for micro in plan_micro_batches([len(m) for m in masks], micro_batch_size, model):
-        rows = micro.rows
-        share = _normalizer(config, [masks[i] for i in rows]) / total if total > 0 else 0.0
+    lengths = [len(m) for m in masks]
+    shared_plan, plain_rows = _shared_plan(model, data, masks, micro_batch_size)
+    for shared in shared_plan:
+        chunk = [data[i] for i in shared.rows]
+        frame = shared_prefix.suffix_frame(shared, [d.tokens for d in data], pad_id, device)
+        mask = frame.field([d.mask for d in chunk])
+        share = totals.share([masks[i] for i in shared.rows])
+        logprobs, entropy = shared_prefix.suffix_logprobs(
+            model, shared, [d.tokens for d in data], frame, shared_prefix.trained_columns(mask), with_entropy=True
+        )
+        totals.add(share, logprobs, entropy, mask, chunk, frame.field)
+        for row, index in enumerate(shared.rows):
+            all_logprobs[index] = shared_prefix.full_row(logprobs[row], frame.starts[row], lengths[index])
+    for micro in plan_micro_batches([lengths[i] for i in plain_rows], micro_batch_size, model):
+        rows = [plain_rows[i] for i in micro.rows]
+        share = totals.share([masks[i] for i in rows])
         if share == 0.0 and config.normalization != "constant":
             for i in rows:  # nothing trainable here: no forward, and no log-probs to report
                 all_logprobs[i] = np.zeros(len(masks[i]), dtype=np.float32)
             continue
         chunk = [data[i] for i in rows]
         batch = make_batch(chunk, pad_id, device)
-        mask = batch.field(chunk, "mask")
+        mask = batch.field([d.mask for d in chunk])
         with recompute_in_backward(model, micro.recompute):
             logprobs, entropy = token_logprobs(model, batch, positions=trained_positions(mask), with_entropy=True)
-            loss, metrics = compute_loss(
-                config,
-                logprobs,
-                mask,
-                advantages=batch.field(chunk, "advantages"),
-                sampler_logprobs=batch.field(chunk, "sampler_logprobs"),
-                old_logprobs=batch.field(chunk, "old_logprobs"),
-                ref_logprobs=batch.field(chunk, "ref_logprobs"),
-            )
-            (loss * share).backward()
-        for key, value in metrics.items():  # token-weighted means across micro-batches
-            w = float(mask.sum()) if key != "loss" else 1.0
-            sums[key] = sums.get(key, 0.0) + (value * share if key == "loss" else value * w)
-            weights[key] = weights.get(key, 0.0) + w
-        entropy_sum += float((entropy * mask).sum())
-        token_count += float(mask.sum())
+            totals.add(share, logprobs, entropy, mask, chunk, batch.field)
         for row, index in enumerate(rows):
             all_logprobs[index] = logprobs[row, : batch.lengths[row]].detach().cpu().numpy()
-    metrics = {k: (sums[k] if k in ("loss", "tokens") else sums[k] / max(weights[k], 1e-9)) for k in sums}
-    metrics["tokens"] = token_count
-    metrics["entropy"] = entropy_sum / token_count if token_count else 0.0
-    return metrics, all_logprobs  # type: ignore[return-value]
+    for i, value in enumerate(all_logprobs):  # rows of a shared group with nothing trainable
+        if value is None:
+            all_logprobs[i] = np.zeros(lengths[i], dtype=np.float32)
+    return totals.metrics(), all_logprobs  # type: ignore[return-value]
+
+
+def _shared_plan(model, data: list[Datum], masks: list[np.ndarray], micro_batch_size: int):
+    """Micro-batches of prompt-sharing groups, and the rows left for the plain path."""
+    if os.environ.get(SHARED_PREFIX_ENV, "1") == "0":
+        return [], list(range(len(data)))
+    groups, alone = shared_prefix.find_prefix_groups([d.tokens for d in data], masks)
+    if not groups:
+        return [], alone
+    plan, rejected = shared_prefix.plan_shared(groups, [len(m) for m in masks], micro_batch_size, model_token_budget(model))
+    return plan, sorted(alone + rejected)
+
+
+class _Totals:
+    """Loss metrics summed over micro-batches, each re-weighted to its share of the batch normalizer."""
+
+    def __init__(self, config: LossConfig, normalizer: float):
+        self.config, self.normalizer = config, normalizer
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.entropy_sum, self.token_count = 0.0, 0.0
+
+    def share(self, masks: list[np.ndarray]) -> float:
+        return _normalizer(self.config, masks) / self.normalizer if self.normalizer > 0 else 0.0
+
+    def add(self, share: float, logprobs, entropy, mask, chunk: list[Datum], field) -> None:
+        """The micro-batch's loss, backward, and its metrics (`field` puts a datum field in the logprobs' frame)."""
+        loss, metrics = compute_loss(
+            self.config,
+            logprobs,
+            mask,
+            advantages=field([d.advantages for d in chunk]),
+            sampler_logprobs=field([d.sampler_logprobs for d in chunk]),
+            old_logprobs=field([d.old_logprobs for d in chunk]),
+            ref_logprobs=field([d.ref_logprobs for d in chunk]),
+        )
+        (loss * share).backward()
+        for key, value in metrics.items():  # token-weighted means across micro-batches
+            w = float(mask.sum()) if key != "loss" else 1.0
+            self.sums[key] = self.sums.get(key, 0.0) + (value * share if key == "loss" else value * w)
+            self.weights[key] = self.weights.get(key, 0.0) + w
+        self.entropy_sum += float((entropy * mask).sum())
+        self.token_count += float(mask.sum())
+
+    def metrics(self) -> dict[str, float]:
+        sums, weights = self.sums, self.weights
+        out = {k: (sums[k] if k in ("loss", "tokens") else sums[k] / max(weights[k], 1e-9)) for k in sums}
+        out["tokens"] = self.token_count
+        out["entropy"] = self.entropy_sum / self.token_count if self.token_count else 0.0
+        return out
 
 
 @contextlib.contextmanager
