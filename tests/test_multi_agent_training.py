@@ -34,6 +34,9 @@ def test_round_robin_barriers_hold_updates_until_all_rollouts_are_in(tmp_path, t
         assert max(rollouts) < min(updates), f"an update started before every rollout of step {step} was in: {events}"
         assert events[-1] == ("committed", "*")
     record = result.metrics[-1]
+    # Every seating's rollout accounts for its time: generation and the env's own code, summed over seatings.
+    assert record["generate_s"] > 0 and record["env_s"] > 0 and record["decoded_tokens"] > 0
+    assert record["generate_s"] + record["env_s"] <= record["rollout_s"] * len(agents)  # seatings may overlap
     for policy in ("p", "q", "s"):
         assert f"win_rate/{policy}" in record and f"reward_mean/{policy}" in record
     assert (result.run_dir / "outcomes.png").stat().st_size > 0

@@ -13,8 +13,9 @@ from tinkerless.envs.gomoku import GomokuEnv, random_opponent
 from tinkerless.errors import ConfigError
 from tinkerless.sdk.cli import main
 from tinkerless.sdk.metrics import describe_rewards, reward_summary
+from tinkerless.sdk.step_metrics import step_record
 from tinkerless.sdk.transcripts import episode_record, sample, token_counts
-from tinkerless.wire.messages import Episode, EpisodeLimits
+from tinkerless.wire.messages import Episode, EpisodeLimits, TrainingSequence
 
 RECORD_KEYS = {
     "step", "task_index", "policy", "status", "truncated_by", "reward", "turn_rewards", "num_turns", "tokens",
@@ -144,12 +145,27 @@ def test_truncation_reason_and_token_counts():
         prompt_length=3, num_turns=2, status="truncated", transcript=[], turn_rewards=[0.5, float("nan")],
         reward=float("nan"),
     )
-    assert token_counts(episode) == {"prompt": 3, "sampled": 5, "total": 10, "sampled_per_turn": [2, 3]}
+    assert token_counts(episode) == {"prompt": 3, "sampled": 5, "total": 10, "sampled_per_turn": [2, 3], "sequences": 1}
     record = episode_record(episode, EpisodeLimits(max_turns=2, max_episode_tokens=100))
     assert record["truncated_by"] == "max_turns"
     assert record["reward"] is None and record["turn_rewards"] == [0.5, None]  # strict JSON: no NaN
     json.dumps(record, allow_nan=False)
     assert episode_record(episode, EpisodeLimits(max_turns=5, max_episode_tokens=10))["truncated_by"] == "max_episode_tokens"
+
+
+def test_token_counts_cover_every_sequence_of_an_agent_that_rewrote_its_context():
+    # An agent function's second call did not extend its first: two trained sequences, one episode.
+    first = np.array([0, 0, 1, 1, 1], dtype=np.float32)
+    second = np.array([0, 0, 0, 0, 1, 1, 0, 1], dtype=np.float32)
+    episode = Episode(
+        task_index=0, tokens=np.arange(5, dtype=np.int32), mask=first, sampler_logprobs=np.zeros(5, np.float32),
+        prompt_length=2, num_turns=2, transcript=[{"role": "assistant", "content": "12"}],
+        extra_sequences=[TrainingSequence(np.arange(8, dtype=np.int32), second, np.zeros(8, np.float32))],
+    )
+    assert episode.sampled_tokens() == 6
+    assert token_counts(episode) == {"prompt": 2, "sampled": 6, "total": 13, "sampled_per_turn": [3, 2, 1], "sequences": 2}
+    record = step_record(0, [episode], {}, {"rollout_s": 2.0}, {}, 2.5)
+    assert record["sampled_tokens"] == 6.0 and record["tokens_per_s"] == 3.0
 
 
 def test_sample_spreads_over_the_step():

@@ -368,7 +368,7 @@ class Worker:
                 system_prompt=request.system_prompt,
                 counts=(counts := TokenCounts()),
             )
-        sampled = float(sum(e.mask.sum() for e in episodes))
+        sampled = float(sum(e.sampled_tokens() for e in episodes))
         stats = {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats()}
         return RolloutResult(episodes, stats)
 
@@ -390,7 +390,7 @@ class Worker:
                 tasks=request.tasks, group_size=request.group_size, sampling=request.sampling, limits=request.limits,
                 seed=request.seed, timeout=request.agent_timeout, transport=request.agent_transport,
             )
-        sampled = float(sum(e.mask.sum() + sum(s.mask.sum() for s in e.extra_sequences) for e in episodes))
+        sampled = float(sum(e.sampled_tokens() for e in episodes))
         return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **clock.as_stats()})
 
     def _rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
@@ -414,7 +414,7 @@ class Worker:
                 timeout=request.protocol_timeout,
                 counts=(counts := TokenCounts()),
             )
-        sampled = float(sum(e.mask.sum() for e in episodes))
+        sampled = float(sum(e.sampled_tokens() for e in episodes))
         return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats()})
 
     def sample(self, request: SampleRequest) -> SampleResult:

@@ -203,7 +203,7 @@ def play(
         pass_at={k: mean_pass_at_k(((samples, c) for c in passed), k) for k in ks},
         pass_rule=rule.describe(),
         seconds=seconds,
-        sampled_tokens=int(sum(float(e.mask.sum()) for e in episodes)),
+        sampled_tokens=sum(e.sampled_tokens() for e in episodes),
         played=episodes,
     )
 

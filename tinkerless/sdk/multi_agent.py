@@ -41,28 +41,36 @@ def play_step(
     coordinator: Coordinator,
     step: int,
     on_event: Callable[[str, str], None],
-) -> list[Episode]:
-    """Play every seating; submit each trained policy to the barrier once all its seatings are done."""
+) -> tuple[list[Episode], dict[str, float]]:
+    """Play every seating; submit each trained policy to the barrier once all its seatings are done.
+
+    Returns the episodes and the rollouts' own stats (`RolloutResult.stats`: seconds generating, in the env,
+    tokens prefilled, ...) summed over the seatings, so a multi-agent step accounts for its time like any other."""
     owed = {p: {i for i, s in enumerate(seat_list) if any(x.policy == p and x.trainable for x in s.values())}
             for p in {x.policy for s in seat_list for x in s.values() if x.trainable}}
     episodes: list[Episode] = []
+    stats: dict[str, float] = {}
 
-    def play(index: int) -> list[Episode]:
+    def play(index: int):
         result = rollout(make_request(seat_list[index], index))
         for episode in result.episodes:
             episode.info["seating"] = index
-        return result.episodes
+        return result
 
     with ThreadPoolExecutor(max_workers=max(1, len(seat_list))) as pool:
         futures = {pool.submit(play, i): i for i in range(len(seat_list))}
         for future, index in futures.items():
-            episodes.extend(future.result())
+            result = future.result()
+            episodes.extend(result.episodes)
+            for key, value in result.stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    stats[key] = stats.get(key, 0.0) + float(value)
             for policy, pending in owed.items():
                 pending.discard(index)
                 if not pending and policy not in _submitted(coordinator):
                     coordinator.submit_rollout(step, policy)
                     on_event("rollouts_in", policy)
-    return episodes
+    return episodes, stats
 
 
 def _submitted(coordinator: Coordinator) -> set[str]:

@@ -22,7 +22,7 @@ def step_record(
 ) -> dict:
     ok = [e for e in episodes if e.status != "error"]
     rewards = [e.reward for e in ok]
-    sampled = float(sum(e.mask.sum() for e in episodes))
+    sampled = float(sum(e.sampled_tokens() for e in episodes))
     merged = merge_policy_metrics(metrics)
     record = {
         "step": step,

@@ -413,7 +413,10 @@ class _Run:
             )
 
         any_client = next(iter(self.clients.values()))
-        return play_step(self.seats, make_request, any_client.rollout_multi, self.coordinator, self.step, self._event)
+        episodes, self._rollout_stats = play_step(
+            self.seats, make_request, any_client.rollout_multi, self.coordinator, self.step, self._event
+        )
+        return episodes
 
     def _sampling(self) -> SamplingParams:
         config = self.config
@@ -476,7 +479,7 @@ class _Run:
         data = []
         for episode, advantage in zip(episodes, advantages):
             # An agent that rewrote its context has several sequences: each is trained with the episode's advantage.
-            for sequence in [episode, *episode.extra_sequences]:
+            for sequence in episode.sequences():
                 if advantage == 0.0 or sequence.mask.sum() == 0:
                     continue  # contributes no gradient
                 data.append(

@@ -63,16 +63,24 @@ def truncated_by(episode: Episode, limits: EpisodeLimits) -> str | None:
 
 
 def token_counts(episode: Episode) -> dict:
-    """Prompt, sampled and total tokens, and the tokens the model sampled in each of its turns."""
-    mask = np.asarray(episode.mask) > 0
-    # A turn's sampled tokens are one run of mask == 1; prompt and observations are the zeros between.
-    edges = np.diff(np.concatenate(([0], mask.astype(np.int8), [0])))
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    """Prompt, sampled and total tokens, and the tokens the model sampled in each of its turns.
+
+    An agent that rewrote its context has several sequences (`Episode.sequences`): every count covers all
+    of them, and `sequences` says how many there were."""
+    sequences = episode.sequences()
+    per_turn: list[int] = []
+    for sequence in sequences:
+        mask = np.asarray(sequence.mask) > 0
+        # A turn's sampled tokens are one run of mask == 1; prompt and observations are the zeros between.
+        edges = np.diff(np.concatenate(([0], mask.astype(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        per_turn += [int(e - s) for s, e in zip(starts, ends)]
     return {
         "prompt": int(episode.prompt_length),
-        "sampled": int(mask.sum()),
-        "total": int(len(episode.tokens)),
-        "sampled_per_turn": [int(e - s) for s, e in zip(starts, ends)],
+        "sampled": episode.sampled_tokens(),
+        "total": int(sum(len(s.tokens) for s in sequences)),
+        "sampled_per_turn": per_turn,
+        "sequences": len(sequences),
     }
 
 

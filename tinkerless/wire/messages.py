@@ -116,6 +116,15 @@ class Episode:
     # episode's advantage (the first sequence is tokens/mask/sampler_logprobs above).
     extra_sequences: list[TrainingSequence] = field(default_factory=list)
 
+    def sequences(self) -> list[TrainingSequence]:
+        """Every trained sequence of the episode: the first (tokens/mask/sampler_logprobs), then the extra ones."""
+        first = TrainingSequence(self.tokens, self.mask, self.sampler_logprobs)
+        return [first, *self.extra_sequences]
+
+    def sampled_tokens(self) -> int:
+        """Tokens the policy sampled in this episode, over all its sequences (mask == 1)."""
+        return int(sum(float(np.asarray(s.mask).sum()) for s in self.sequences()))
+
 
 @dataclass
 class RolloutResult:
