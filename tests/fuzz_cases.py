@@ -278,7 +278,7 @@ def requests(draw, target: Target) -> HttpRequest:
     kind = draw(st.sampled_from(["call", "call", "runs", "runs", "tinker", "tinker", "raw", "get"]))
     if kind == "call":
         templates = call_templates()
-        method = draw(st.sampled_from([*templates, "nope", "__init__", "handle", "delete_policy"]))
+        method = draw(st.sampled_from([*templates, "nope", "__init__", "handle", "drop_policy"]))
         body = draw(mutated(templates.get(method, {})))
         return HttpRequest("POST", f"/v1/call/{method}", _encode(body), _headers(draw, False), tenant)
     if kind == "runs":

@@ -122,7 +122,7 @@ def test_interleaved_policies_base_and_updates_each_sample_with_their_own_adapte
     for policy in ("pd", BASE_POLICY, "pb"):
         check(policy)
     check(BASE_POLICY)
-    assert worker.delete_policy("pc")
+    assert worker.drop_policy("pc")
     for policy in ("pa", BASE_POLICY, "pd"):
         check(policy)
 

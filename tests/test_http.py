@@ -293,8 +293,9 @@ def test_runs_sharing_a_server_start_from_their_own_fresh_adapters(tiny_model, s
     second = _train(tiny_model, tmp_path / "two", HTTPBackend(server_url, timeout=120), run_id="sharing-two")
     assert [r["reward_mean"] for r in second.metrics] == [r["reward_mean"] for r in first.metrics]
     assert _adapter_files(server_storage / "tenants/_", second) == _adapter_files(server_storage / "tenants/_", first)
+    # Finished runs free their policies on the server (peft keeps a model's last adapter: at most one stays).
     policies = httpx.get(server_url + "/healthz").json()["policies"]
-    assert len([p for p in policies if p.endswith("-default")]) >= 2
+    assert len([p for p in policies if p.endswith("-default")]) <= 1
 
 
 class RecordingWorker:

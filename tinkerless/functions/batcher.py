@@ -108,6 +108,12 @@ class Batcher:
     def rows(self) -> int:
         return self._running.rows if self._running is not None else 0
 
+    def policies_in_use(self) -> set[str | None]:
+        """Policies of the generations not finished yet (running, waiting, or paused between time slices)."""
+        with self._lock:
+            members = [*self._waiting, *(self._running.members if self._running is not None else [])]
+        return {m.policy for m in members if not m.job.done}
+
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
         sessions: list[KVSession] | None = None,

@@ -19,7 +19,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -51,6 +51,7 @@ from tinkerless.wire.messages import (
     OptimStepResult,
     PolicyState,
     ResetPolicyRequest,
+    DeletePolicyRequest,
     RolloutRequest,
     RolloutResult,
     SampledSequence,
@@ -68,6 +69,7 @@ warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprec
 
 _REQUEST_TYPES = {
     "create_policy": CreatePolicyRequest,
+    "delete_policy": DeletePolicyRequest,
     "reset_policy": ResetPolicyRequest,
     "rollout": RolloutRequest,
     "rollout_multi": MultiAgentRolloutRequest,
@@ -117,6 +119,9 @@ class Worker:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.micro_batch_size = micro_batch_size
         self.policies: dict[str, _Policy] = {}
+        # Called with a new policy's name before it is created; a server sets it to enforce a tenant's
+        # policy quota (`ServingLimits.max_policies_per_tenant`), which it raises LimitExceeded to refuse.
+        self.policy_guard: Callable[[str], None] | None = None
         # The adapter state the model is in, so that switching to the state it is in already costs nothing
         # (peft's set_adapter and disable_adapter walk every module: 15-65 ms on SmolLM2, once per decode step).
         # A policy's name: its adapter active and every adapter enabled; BASE_POLICY: every adapter disabled;
@@ -214,6 +219,8 @@ class Worker:
         if name == BASE_POLICY or name in "lora_":
             # peft finds adapter weights by substring; a name inside "lora_" would corrupt loading.
             raise ConfigError(f"invalid policy name {name!r}", hint="use 2+ letters, digits, '-' and '_' (not 'base')")
+        if self.policy_guard is not None:
+            self.policy_guard(name)
         lora = request.lora
         config = peft_config(lora)
         # Seed LoRA's random init so the same seed gives the same adapter.
@@ -263,7 +270,15 @@ class Worker:
         # The vLLM engine's adapter directories are keyed by version; a reset or load reuses versions.
         shutil.rmtree(os.path.join(self._adapter_root, name), ignore_errors=True)
 
-    def delete_policy(self, name: str) -> bool:
+    def delete_policy(self, request: DeletePolicyRequest) -> dict:
+        """A client freeing one of its policies (its checkpoints stay). Refused while a generation of it runs."""
+        name = request.policy
+        batcher = getattr(self.engine, "batcher", None)
+        if batcher is not None and name in batcher.policies_in_use():
+            raise UserError(f"policy {name!r} is sampling right now", hint="delete it once its calls have finished")
+        return {"policy": name, "deleted": self.drop_policy(name)}
+
+    def drop_policy(self, name: str) -> bool:
         """Free a policy's adapter and optimizer (a server evicting sampler snapshots). False if absent."""
         if name not in self.policies:
             return False
@@ -522,7 +537,7 @@ class Worker:
                     ) from None
         except BaseException:
             if created:
-                self.delete_policy(state.policy)
+                self.drop_policy(state.policy)
             raise
         set_peft_model_state_dict(self.model, parsed.weights, adapter_name=state.policy)
         # The loaded state replaces the policy's whole training state: moments from before the load

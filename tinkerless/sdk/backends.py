@@ -115,6 +115,7 @@ def raise_error_reply(reply: ErrorReply, *, where: str) -> None:
             category=reply.category,
             remote_type=reply.type,
             traceback=reply.traceback,
+            hint=reply.hint,  # what to do about it: a server-side error class the client does not know keeps it too
         )
     error.remote_traceback = reply.traceback  # type: ignore[attr-defined]
     raise error

@@ -232,6 +232,7 @@ def _serving_limit_flags(serve) -> None:
         "max_prompt_tokens": "tokens of one prompt",
         "max_group_size": "a rollout request's group_size",
         "max_rollouts": "episodes one rollout request may run (tasks x group_size)",
+        "max_policies_per_tenant": "LoRA policies one tenant may hold on the worker at once",
     }
     for name, text in helps.items():
         serve.add_argument(ServingLimits.flag(name), type=int, default=getattr(defaults, name),

@@ -14,14 +14,17 @@ A power user can drive training by hand:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
+from tinkerless.errors import TinkerlessError
 from tinkerless.functions.losses import LossConfig
 from tinkerless.sdk.backends import Backend, call
 from tinkerless.wire.messages import (
     BASE_POLICY,
     AdamParams,
     CreatePolicyRequest,
+    DeletePolicyRequest,
     Datum,
     ForwardBackwardRequest,
     ForwardBackwardResult,
@@ -114,6 +117,22 @@ class TrainingClient:
         state.policy = self.policy
         return state
 
+    def delete(self) -> bool:
+        """Free this policy's adapter and optimizer on the worker (a server counts them against your quota;
+        checkpoints in storage stay). False if the worker did not hold it."""
+        return bool(call(self.backend, "delete_policy", DeletePolicyRequest(self.remote(self.policy)))["deleted"])
+
     def load_state(self, state: PolicyState, include_optimizer: bool = True) -> dict:
         state = dataclasses.replace(state, policy=self.remote(self.policy))
         return call(self.backend, "load_state", LoadStateRequest(state, include_optimizer))
+
+
+def free_policies(clients: list[TrainingClient]) -> None:
+    """A finished run frees its policies on the worker: a shared server counts them against the tenant's
+    quota, and the run's checkpoints hold everything a resume or `RUN@latest` needs. Best effort: a
+    failure here warns, it does not undo a run that finished."""
+    for client in clients:
+        try:
+            client.delete()
+        except TinkerlessError as exc:
+            warnings.warn(f"could not free policy {client.policy!r} on the worker: {exc}", stacklevel=2)

@@ -12,13 +12,15 @@ reward, pass@k for k in {1, group_size} with the unbiased estimator (`pass_at_k`
 from __future__ import annotations
 
 import math
+import secrets
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tinkerless.envs.base import is_multi_agent
-from tinkerless.errors import ConfigError, DatasetError, StorageNotFound, UserError
+from tinkerless.errors import ConfigError, DatasetError, StorageNotFound, TinkerlessError, UserError
 from tinkerless.sdk.backends import Backend, make_backend
 from tinkerless.sdk.checkpoint_ref import CheckpointRef, check_base_model, find_run, parse_checkpoint
 from tinkerless.sdk.client import TrainingClient
@@ -100,9 +102,11 @@ def adapter_files(adapter: str) -> dict[str, bytes]:
     return {f"adapter/{p.name}": p.read_bytes() for p in directory.iterdir() if p.is_file()}
 
 
-def load_checkpoint(backend: Backend, config: TrainConfig, run_id: str, step: int | None) -> int:
-    """Load run `run_id`'s checkpoint `step` (None: its latest valid one) into the worker's "default"
-    policy, from wherever the run lives (`storage`, or the server the backend talks to, which loads it
+def load_checkpoint(
+    backend: Backend, config: TrainConfig, run_id: str, step: int | None, policy: str = "default"
+) -> int:
+    """Load run `run_id`'s checkpoint `step` (None: its latest valid one) into the worker's `policy`,
+    from wherever the run lives (`storage`, or the server the backend talks to, which loads it
     from its own storage). Returns the step loaded. The run must have trained `config.model`."""
     host = run_host_for(backend, config.storage, config.storage_options)
     state = find_run(host, run_id)
@@ -110,7 +114,7 @@ def load_checkpoint(backend: Backend, config: TrainConfig, run_id: str, step: in
     from tinkerless.sdk.trainer import CLIENT_STATE_FILE  # the trainer imports this module
 
     restored = host.checkpoints(run_id).restore(
-        [CheckpointPolicy("default", "", "default")], [CLIENT_STATE_FILE], step, driver=False
+        [CheckpointPolicy("default", "", policy)], [CLIENT_STATE_FILE], step, driver=False
     )
     if restored.step is None:
         raise UserError(f"run {run_id!r} has no valid checkpoint in {host.where}", hint="see `tinkerless runs`")
@@ -254,19 +258,28 @@ def evaluate(
         _check_run_in_storage(config, ref)
     threads = {"threads": config.threads} if config.backend == "local" and config.threads else {}
     backend = make_backend(config.backend, config.model, engine=config.engine, **threads)
+    # A policy of this evaluation's own: two evaluations by one tenant on a server never load into the same
+    # adapter (with one shared name, the second's load would change the weights under the first's episodes).
+    own = f"eval-{secrets.token_hex(6)}"
+    policy, loaded = BASE_POLICY, None
     try:
-        policy, loaded = BASE_POLICY, None
         if files is not None:
-            TrainingClient(backend, "default", create=False).load_state(PolicyState("default", files), include_optimizer=False)
-            policy = "default"
+            TrainingClient(backend, own, create=False).load_state(PolicyState(own, files), include_optimizer=False)
+            policy = own
         elif ref is not None and not ref.is_base:
-            loaded = load_checkpoint(backend, config, ref.run_id, ref.step)
-            policy = "default"
+            policy = own  # set first: a load that fails half-way is freed below too
+            loaded = load_checkpoint(backend, config, ref.run_id, ref.step, policy=own)
         client = TrainingClient(backend, policy, create=False)
         report = play(client, config, chosen, samples=samples, seed=seed, policy=policy, rule=rule,
                       source=_source(config, ref, adapter))
     finally:
-        backend.close()
+        try:
+            if policy == own:  # a server keeps what it is not told to free
+                TrainingClient(backend, own, create=False).delete()
+        except TinkerlessError as exc:  # cleanup only: the evaluation's own outcome (or error) is what matters
+            warnings.warn(f"could not free this evaluation's policy {own} on the worker: {exc}", stacklevel=2)
+        finally:
+            backend.close()
     report.step = loaded
     if transcripts is not None:
         limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -140,10 +141,16 @@ def _from_server(ref: CheckpointRef, url: str, model: str | None, policy: str) -
         host = ServerRunHost(http)
         trained_on = _run_base_model(find_run(host, ref.run_id), ref, model)
         prefix = "" if policy == "default" else f"policies/{policy}/"
-        restored = host.checkpoints(ref.run_id).restore([CheckpointPolicy(policy, prefix, "default")], [], ref.step, driver=False)
-        if restored.step is None:
-            raise UserError(f"run {ref.run_id!r} has no valid checkpoint in {host.where}", hint="see `tinkerless runs --server URL`")
-        state = TrainingClient(http, "default", create=False).save_state(include_optimizer=False)
+        # Loaded into a policy of this export's own, so a concurrent eval or export of the same tenant never
+        # swaps the weights between the load and the read; freed afterwards (a server keeps what it is not told to free).
+        own = TrainingClient(http, f"export-{secrets.token_hex(6)}", create=False)
+        try:
+            restored = host.checkpoints(ref.run_id).restore([CheckpointPolicy(policy, prefix, own.policy)], [], ref.step, driver=False)
+            if restored.step is None:
+                raise UserError(f"run {ref.run_id!r} has no valid checkpoint in {host.where}", hint="see `tinkerless runs --server URL`")
+            state = own.save_state(include_optimizer=False)
+        finally:
+            own.delete()
     finally:
         http.close()
     files = {k: v for k, v in state.files.items() if k.startswith(ADAPTER_PREFIX)}

@@ -26,7 +26,7 @@ from tinkerless.errors import UserError
 from tinkerless.functions.losses import LossConfig
 from tinkerless.sdk.accounting import RunUsage, format_usage, latest_usage
 from tinkerless.sdk.backends import Backend, device_of, make_backend, with_usage
-from tinkerless.sdk.client import TrainingClient
+from tinkerless.sdk.client import TrainingClient, free_policies
 from tinkerless.sdk.lifecycle import Heartbeat, heartbeat_interval, interruptible, uninterrupted
 from tinkerless.sdk.metrics import MetricsWriter, read_metrics
 from tinkerless.sdk.progress import Progress
@@ -231,6 +231,7 @@ class _SFTRun:
                 name = exc.signal_name if isinstance(exc, RunInterrupted) else "SIGINT"
                 raise RunInterrupted(name, self.run_id, self.coordinator.state.last_checkpoint_step) from None
             raise
+        free_policies([self.client])
         self.backend.close()
         result = RunResult(self.run_id, self.run_dir, records, self.coordinator.state.last_checkpoint_step, Path(plot), [], usage)
         print(_final_report(result), flush=True)

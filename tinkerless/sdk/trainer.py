@@ -28,7 +28,7 @@ from tinkerless.errors import EnvError, UserError
 from tinkerless.sdk.accounting import RunUsage, format_usage, latest_usage
 from tinkerless.sdk.advantages import group_advantages
 from tinkerless.sdk.backends import Backend, device_of, make_backend, with_usage
-from tinkerless.sdk.client import TrainingClient
+from tinkerless.sdk.client import TrainingClient, free_policies
 from tinkerless.sdk.evaluate import eval_columns, held_out_tasks
 from tinkerless.sdk.evaluate import play as play_eval
 from tinkerless.sdk.config import TrainConfig
@@ -291,6 +291,7 @@ class _Run:
             if isinstance(exc, KeyboardInterrupt):
                 raise self._interrupted(exc) from None
             raise
+        free_policies([*self.clients.values(), *self._frozen_clients()])
         self.backend.close()
         if self.multi_agent:
             plot_outcomes(self.run_dir / "metrics.jsonl", self.run_dir / "outcomes.png", self.policies, title=self.run_id)
@@ -462,6 +463,10 @@ class _Run:
 
     def _event(self, event: str, policy: str) -> None:
         self.events.append((self.step, event, policy))
+
+    def _frozen_clients(self) -> list[TrainingClient]:
+        names = frozen_adapters(self.config.agents).values() if self.multi_agent else []
+        return [TrainingClient(self.backend, name, create=False, namespace=self.namespace) for name in names]
 
     def _load_frozen_adapters(self) -> None:
         from tinkerless.sdk.evaluate import adapter_files

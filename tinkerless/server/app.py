@@ -42,7 +42,7 @@ from tinkerless.server.limits import LimitExceeded, ServingLimits
 from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.functions.user_code import tenant_scope
-from tinkerless.server.tenancy import scope, tenant_prefix, unscope
+from tinkerless.server.tenancy import policy_quota, scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, QUEUE_SECONDS_HEADER
 from tinkerless.wire.messages import ErrorReply
@@ -101,6 +101,8 @@ def create_app(
     app.state.max_request_bytes = max_request_bytes
     limits = limits or ServingLimits()
     app.state.limits = limits
+    if hasattr(worker, "policy_guard"):  # a tenant's policies count against its quota
+        worker.policy_guard = policy_quota(worker, limits)
     model_free = frozenset(getattr(worker, "MODEL_FREE_METHODS", ()))  # answered at once, off the scheduler
     scheduler = Scheduler(max_pending=max_pending, max_pending_per_tenant=max_pending_per_tenant,
                           slice_seconds=slice_seconds)

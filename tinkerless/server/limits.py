@@ -27,6 +27,9 @@ class ServingLimits:
     max_prompt_tokens: int = 8192  # tokens of one prompt; also bounds an episode's context with max_tokens
     max_group_size: int = 64  # a rollout's group_size (episodes or games per task)
     max_rollouts: int = 512  # episodes (or games) one rollout request may run: tasks x group_size
+    # LoRA policies (adapter + optimizer, ~60 MB each on SmolLM2 at rank 16) one tenant may hold on the worker:
+    # without a bound, one tenant creating policies in a loop would exhaust the memory every tenant shares.
+    max_policies_per_tenant: int = 32
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -45,6 +48,15 @@ class ServingLimits:
             raise LimitExceeded(
                 f"{what} is {value}, over this server's limit of {limit} ({name})",
                 hint=f"split the work into smaller requests, or start `tinkerless serve` with a larger {self.flag(name)}",
+            )
+
+    def check_policies(self, held: int) -> None:
+        """Refuse a tenant's new policy when it already holds `max_policies_per_tenant` of them."""
+        if held >= self.max_policies_per_tenant:
+            raise LimitExceeded(
+                f"you hold {held} policies on this server, its limit (max_policies_per_tenant); a new one is refused",
+                hint="free policies you no longer train (TrainingClient.delete(), or the `delete_policy` call; "
+                f"their checkpoints stay), or start `tinkerless serve` with a larger {self.flag('max_policies_per_tenant')}",
             )
 
     def check_sample(self, *, samples: int, max_tokens: int, prompt_tokens: int) -> None:

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any
+import re
+from typing import Any, Callable
 
 from tinkerless.wire.messages import BASE_POLICY
+
+
+_SCOPED_NAME = re.compile(r"t[0-9a-f]{12}_")  # what tenant_prefix makes
 
 
 def tenant_prefix(tenant: str) -> str:
@@ -48,3 +52,16 @@ def _rewrite(value: Any, rename) -> Any:
     if isinstance(value, dict):
         return {k: (rename(v) if k == "policy" and isinstance(v, str) else _rewrite(v, rename)) for k, v in value.items()}
     return value
+
+
+def policy_quota(worker: Any, limits: Any) -> Callable[[str], None]:
+    """The worker's `policy_guard` on a shared server: a tenant's new policy is refused once the tenant holds
+    `limits.max_policies_per_tenant` policies. The server's own adapter slots (OpenAI adapters, Tinker sampler
+    snapshots) carry no tenant prefix: their caches bound them."""
+
+    def guard(name: str) -> None:
+        scoped = _SCOPED_NAME.match(name)
+        if scoped is not None:
+            limits.check_policies(sum(p.startswith(scoped.group(0)) for p in worker.policies))
+
+    return guard

@@ -62,6 +62,13 @@ class CreatePolicyRequest:
 
 
 @dataclass
+class DeletePolicyRequest:
+    """Free a policy's adapter and optimizer on the worker (its checkpoints in storage stay)."""
+
+    policy: str
+
+
+@dataclass
 class ResetPolicyRequest:
     """Put an existing policy back to its fresh init: the adapter its LoRA seed gives, a new optimizer, version 0.
 

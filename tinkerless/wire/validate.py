@@ -237,6 +237,7 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
         m.EpisodeLimits: {"max_turns": count, "max_episode_tokens": between(1, MAX_TOKENS)},
         m.CreatePolicyRequest: {"policy": trainable_policy},
         m.ResetPolicyRequest: {"policy": trainable_policy},
+        m.DeletePolicyRequest: {"policy": trainable_policy},
         m.RolloutRequest: {"policy": policy_name, "group_size": count, "seed": seed, "tasks": _json,
                            "agent_timeout": between(0, 86400, low_open=True), "agent_transport": _agent_transport},
         m.MultiAgentRolloutRequest: {"group_size": count, "seed": seed, "tasks": _json,

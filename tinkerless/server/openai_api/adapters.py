@@ -225,7 +225,7 @@ class AdapterCache:
                 self.worker.load_state(LoadStateRequest(PolicyState(slot, files, version), include_optimizer=False))
                 return slot
             except UserError:  # another rank or target modules: that slot's adapter cannot hold this one
-                self.worker.delete_policy(slot)
+                self.worker.drop_policy(slot)
         self._count += 1
         slot = f"{SLOT_PREFIX}{self._count}"
         try:
@@ -246,6 +246,6 @@ class AdapterCache:
                 continue
             del self._slots[key]
             if self._free:
-                self.worker.delete_policy(slot)
+                self.worker.drop_policy(slot)
             else:
                 self._free.append(slot)

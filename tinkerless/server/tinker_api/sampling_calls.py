@@ -13,7 +13,6 @@ import hashlib
 import secrets
 
 from tinkerless.errors import UserError
-from tinkerless.server.tenancy import tenant_prefix
 from tinkerless.server.tinker_api import convert
 from tinkerless.server.tinker_api.checkpoints import TinkerPath
 from tinkerless.server.tinker_api.prompt_scores import PromptScoring
@@ -118,9 +117,9 @@ class SamplingCalls:
             model = self.models.get(sampler.live[0])
             if model is not None and self.worker.policies[model.policy].version == sampler.live[1]:
                 return model.policy  # the training adapter has not moved since: no copy needed
-            key, state = f"live:{sampler.sampler_id}", sampler.state
-        else:
-            key, state = f"path:{sampler.model_path}", None
+            key, state = f"live:{sampler.tenant}:{sampler.sampler_id}", sampler.state
+        else:  # keyed by tenant too: the same path string of two tenants names two checkpoints
+            key, state = f"path:{sampler.tenant}:{sampler.model_path}", None
         slot = self._slots.get(key)
         if slot is not None:
             self._slots.move_to_end(key)
@@ -128,11 +127,13 @@ class SamplingCalls:
         if state is None:
             meta, files = self.registry.load(sampler.tenant, TinkerPath.parse(sampler.model_path))
             state = PolicyState("", files, int(meta.get("policy_version", 0)))
-        slot = tenant_prefix(sampler.tenant) + "snap" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        # A server-owned slot (outside the tenant's policy names, so it is not in its listing or its policy
+        # quota): at most MAX_SNAPSHOT_SLOTS exist, evicted least recently used first.
+        slot = "tinker_snap_" + hashlib.sha256(key.encode()).hexdigest()[:16]
         files = {k: v for k, v in state.files.items() if k in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")}
         self.worker.load_state(LoadStateRequest(PolicyState(slot, files, state.policy_version), include_optimizer=False))
         self._slots[key] = slot
         evictable = [k for k, s in self._slots.items() if s not in self._slots_in_use and k != key]
         for old_key in evictable[: max(0, len(self._slots) - MAX_SNAPSHOT_SLOTS)]:  # least recently used first
-            self.worker.delete_policy(self._slots.pop(old_key))
+            self.worker.drop_policy(self._slots.pop(old_key))
         return slot

@@ -29,7 +29,7 @@ from tinkerless.server.scheduler import Scheduler
 from tinkerless.server.tinker_api.checkpoints import CheckpointRegistry, TinkerPath, now_iso
 from tinkerless.server.tinker_api.records import Proto, Sampler, TrainingModel, public_checkpoint
 from tinkerless.server.tinker_api.sampling_calls import SamplingCalls
-from tinkerless.server.tinker_api.training_calls import TrainingCalls
+from tinkerless.server.tinker_api.training_calls import STALE_SESSION_SECONDS, TrainingCalls
 
 FUTURE_TTL = 3600.0  # seconds a finished result stays retrievable
 
@@ -56,6 +56,7 @@ class TinkerService(TrainingCalls, SamplingCalls):
         self._lock = threading.Lock()
         self.sessions: dict[str, dict] = {}
         self.models: dict[str, TrainingModel] = {}
+        self.freed_models: dict[str, str] = {}  # model id -> tenant, for models of stale sessions freed for room
         self.samplers: dict[str, Sampler] = {}
         self._ephemeral: dict[str, list[str]] = {}  # model id -> its ephemeral sampler ids, oldest first
         self._slots: OrderedDict[str, str] = OrderedDict()  # snapshot key -> worker policy, LRU order
@@ -70,13 +71,15 @@ class TinkerService(TrainingCalls, SamplingCalls):
         session_id = f"sess-{secrets.token_hex(8)}"
         with self._lock:
             self.sessions[session_id] = {"tenant": tenant, "tags": body.get("tags") or [], "alive": True,
-                                         "user_metadata": body.get("user_metadata"), "display_name": body.get("display_name")}
+                                         "user_metadata": body.get("user_metadata"), "display_name": body.get("display_name"),
+                                         "seen": time.monotonic()}
         return {"session_id": session_id, "type": "create_session"}
 
     def session(self, tenant: str, session_id: str) -> dict:
         record = self.sessions.get(session_id)
         if record is None or record["tenant"] != tenant:
             raise UserError(f"unknown session {session_id!r}", hint="create a new ServiceClient")
+        record["seen"] = time.monotonic()  # the SDK heartbeats every 10 s: a silent session's client is gone
         return record
 
     # -- futures --------------------------------------------------------------------
@@ -114,6 +117,12 @@ class TinkerService(TrainingCalls, SamplingCalls):
     def model(self, tenant: str, model_id: str) -> TrainingModel:
         model = self.models.get(model_id)
         if model is None or model.tenant != tenant:
+            if self.freed_models.get(model_id) == tenant:
+                raise UserError(
+                    f"model {model_id!r} was freed: its session sent no heartbeat for {STALE_SESSION_SECONDS:.0f} s "
+                    "while its tenant needed room for a new model",
+                    hint="load its last saved checkpoint into a new training client (create_training_client_from_state)",
+                )
             raise UserError(f"unknown model {model_id!r}", hint="create it with create_lora_training_client first")
         model.last_request_time = now_iso()
         return model

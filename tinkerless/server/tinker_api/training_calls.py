@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 
 import numpy as np
 
 from tinkerless.errors import UserError
+from tinkerless.server.limits import LimitExceeded
 from tinkerless.server.tenancy import tenant_prefix
 from tinkerless.server.tinker_api import convert
 from tinkerless.server.tinker_api.checkpoints import TinkerPath, check_name
@@ -31,6 +33,9 @@ from tinkerless.wire.messages import (
     SaveStateRequest,
 )
 from tinkerless.wire.validate import validate
+
+
+STALE_SESSION_SECONDS = 120.0  # twelve missed heartbeats of the Tinker SDK (one every 10 s)
 
 
 class TrainingCalls:
@@ -64,11 +69,32 @@ class TrainingCalls:
         config = validate(LoraConfig(rank=rank, alpha=32, target_modules=targets, seed=seed))
 
         def run() -> dict:
-            self.worker.create_policy(CreatePolicyRequest(model.policy, config))
+            request = CreatePolicyRequest(model.policy, config)
+            try:
+                self.worker.create_policy(request)
+            except LimitExceeded:  # the tenant's policy quota: models of its sessions that went silent make room
+                if not self._free_stale_models(tenant):
+                    raise
+                self.worker.create_policy(request)
             self._register(model)
             return {"model_id": model.model_id, "type": "create_model"}
 
         return self.submit(tenant, run, model_id=model.model_id)
+
+    def _free_stale_models(self, tenant: str) -> int:
+        """Free the tenant's training models whose session sent no heartbeat for STALE_SESSION_SECONDS (the
+        Tinker SDK has no call to free a model: a client that is gone stops heartbeating). Their saved
+        checkpoints stay. Runs in the scheduler's job, so no call of theirs is running. Returns how many."""
+        cutoff = time.monotonic() - STALE_SESSION_SECONDS
+        with self._lock:
+            stale = [m for m in self.models.values() if m.tenant == tenant
+                     and self.sessions.get(m.model_id.split(":train:")[0], {}).get("seen", 0.0) < cutoff]
+            for model in stale:
+                del self.models[model.model_id]
+                self.freed_models[model.model_id] = tenant
+        for model in stale:
+            self.worker.drop_policy(model.policy)
+        return len(stale)
 
     def _register(self, model: TrainingModel) -> None:
         with self._lock:
