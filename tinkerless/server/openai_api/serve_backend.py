@@ -127,7 +127,9 @@ class ServeBackend:
         future = await self._submit(caller, model, request, stream)
 
         def done(f) -> None:  # on the scheduler's thread: the stream hands it to the loop
-            if f.exception() is not None:
+            if f.cancelled():
+                stream.fail(ServerBusy("the server stopped before the request ran"))
+            elif f.exception() is not None:
                 stream.fail(f.exception())
             else:
                 stream.end(f.result())
