@@ -239,3 +239,53 @@ def test_an_error_after_the_first_byte_is_an_sse_error_event():
             for chunk in stream:
                 received.append(chunk.choices[0].text)
         assert received == ["partial"]
+
+
+def test_the_engine_streams_each_row_as_it_records_it_and_stops_when_cancelled(server):
+    """Below the routes: every recorded token reaches the stream in order with its log-prob and top log-probs
+    (those of the model's own log-softmax), and a cancelled stream ends the rows with "cancelled"."""
+    import asyncio
+
+    import torch
+
+    from tinkerless.functions.token_stream import TokenStream
+    from tinkerless.wire.messages import SamplingParams
+
+    _, _, worker = server
+    prompt = list(worker.tokenizer("Once upon")["input_ids"])
+    sampling = SamplingParams(max_tokens=12, temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=[])
+
+    async def run(sampling: SamplingParams, cancel_after: int | None):
+        stream, events = TokenStream(), []
+
+        async def read():
+            async for event in stream:
+                events.append(event)
+                if cancel_after is not None and len(events) == cancel_after:
+                    stream.cancel()  # as the route does when its client hangs up
+
+        reader = asyncio.create_task(read())
+        generations = await asyncio.to_thread(worker.engine.generate, [prompt] * 2, sampling, policy=None, seed=3,
+                                              stream=stream, top_logprobs=2)
+        stream.end(generations)
+        await reader
+        return events, generations
+
+    events, generations = asyncio.run(run(sampling, None))
+    for row, generation in enumerate(generations):
+        mine = [e for e in events if e.row == row]
+        assert [e.token_id for e in mine] == generation.tokens and [e.logprob for e in mine] == generation.logprobs
+        assert [e.stop_reason for e in mine] == [None] * 11 + ["length"]
+        with torch.no_grad():
+            logits = worker.model(input_ids=torch.tensor([prompt + generation.tokens])).logits[0, len(prompt) - 1:-1]
+        own = torch.log_softmax(logits.float(), dim=-1).topk(2, dim=-1)
+        assert [[t for t, _ in e.top_logprobs] for e in mine] == own.indices.tolist()
+        assert [lp for e in mine for _, lp in e.top_logprobs] == pytest.approx(own.values.flatten().tolist(), abs=1e-4)
+        assert generation.top_logprobs == [e.top_logprobs for e in mine]
+
+    long = SamplingParams(max_tokens=1000, temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=[])
+    events, generations = asyncio.run(run(long, 6))
+    assert [g.stop_reason for g in generations] == ["cancelled", "cancelled"]
+    assert all(6 // 2 <= len(g.tokens) < 1000 for g in generations)
+    assert [e.token_id for e in events if e.row == 0] == generations[0].tokens  # the last one says "cancelled"
+    assert [e.stop_reason for e in events][-2:] == ["cancelled", "cancelled"]
