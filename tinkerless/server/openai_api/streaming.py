@@ -102,7 +102,7 @@ class ChoiceText:
         limit = self.scanner.stable()
         if self.hold_tool_calls:
             text = self.scanner.text[:limit]
-            opener = _TOOL_CALL_OPEN.search(text)
+            opener = _TOOL_CALL_OPEN.search(text, self.sent)  # none before: the text sent stops short of any
             if opener is not None:
                 limit = opener.start()
             else:
