@@ -289,3 +289,15 @@ def test_the_engine_streams_each_row_as_it_records_it_and_stops_when_cancelled(s
     assert all(6 // 2 <= len(g.tokens) < 1000 for g in generations)
     assert [e.token_id for e in events if e.row == 0] == generations[0].tokens  # the last one says "cancelled"
     assert [e.stop_reason for e in events][-2:] == ["cancelled", "cancelled"]
+
+
+def test_several_completion_prompts_stream_on_their_choice_indices(server):
+    """Two prompts x n=2: four choices, prompt p's row r on index 2p + r, as in the full reply."""
+    url, app, _ = server
+    args = dict(model=base(app), prompt=["Once upon", "The sea is"], max_tokens=24, n=2, seed=8, temperature=1.0,
+                logprobs=2, stop=["e "])
+    expected = whole(client(url).completions.create(**args), False)
+    streamed = collect(client(url).completions.create(stream=True, stream_options={"include_usage": True}, **args),
+                       4, False)
+    assert_same(streamed, expected)
+    assert len(set(streamed["text"])) == 4

@@ -93,3 +93,12 @@ class TokenStream:
             if isinstance(item, _Failed):
                 raise item.error
             yield item
+
+
+def replay(stream: TokenStream, rows: list[tuple[list[int], list[float], list | None, str]]) -> None:
+    """Send whole rows, (token ids, log-probs, top log-probs or None, stop reason) each, token by token: what an
+    engine that streams would have sent (for engines and backends that only return whole generations)."""
+    for row, (tokens, logprobs, top, reason) in enumerate(rows):
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
+            last = i == len(tokens) - 1
+            stream.put(TokenEvent(row, token, logprob, top[i] if top else None, reason if last else None))

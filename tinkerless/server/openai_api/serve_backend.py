@@ -23,7 +23,7 @@ from typing import Any
 
 from tinkerless.errors import ServerBusy
 from tinkerless.functions.models import model_aliases, public_model_id
-from tinkerless.functions.token_stream import TokenEvent, TokenStream
+from tinkerless.functions.token_stream import TokenStream, replay
 from tinkerless.server.limits import ServingLimits
 from tinkerless.server.openai_api.adapters import SLOT_PREFIX, AdapterCache, AdapterNames, AdapterRef, NotFound
 from tinkerless.server.openai_api.backend import OpenAIError, SampledChoice, TokenSampling, unknown_model
@@ -171,7 +171,7 @@ class ServeBackend:
                 if kind == "adapter":
                     self.adapters.release(slot)
             if stream is not None and not streams:  # an engine that only returns whole generations: replay them
-                _replay(stream, generations, top)
+                replay(stream, [(g.tokens, g.logprobs, t, g.stop_reason) for g, t in zip(generations, top)])
             self.cancelled_choices += sum(g.stop_reason == "cancelled" for g in generations)
             return [SampledChoice(g.tokens, g.logprobs, t, g.stop_reason == "stop") for g, t in zip(generations, top)]
 
@@ -194,14 +194,6 @@ class ServeBackend:
             logits = worker.model(input_ids=ids).logits[0, len(prompt) - 1:].float()
         top = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
         return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-
-
-def _replay(stream: TokenStream, generations, top) -> None:
-    """Send whole generations to `stream` token by token (for an engine that does not stream)."""
-    for row, (g, t) in enumerate(zip(generations, top)):
-        for i, (token, logprob) in enumerate(zip(g.tokens, g.logprobs)):
-            last = i == len(g.tokens) - 1
-            stream.put(TokenEvent(row, token, logprob, t[i] if t else None, g.stop_reason if last else None))
 
 
 def _is_scoped(name: str) -> bool:

@@ -29,7 +29,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from tinkerless.envs.tools import _TOOL_CALL_OPEN
-from tinkerless.functions.token_stream import TokenEvent, TokenStream
+from tinkerless.functions.token_stream import TokenEvent, TokenStream, replay
 from tinkerless.server.openai_api.backend import TokenSampling
 from tinkerless.server.openai_api.output import FinishedChoice, PieceDecoder, StopScanner, clip_pieces
 from tinkerless.server.openai_api.replies import ChatReply, CompletionReply
@@ -57,7 +57,7 @@ class ChoiceText:
         self.reason: str | None = None  # set once the choice has ended
         self.sent = 0  # characters of text sent
         self.released = 0  # tokens whose logprobs were sent
-        self._released_end = 0  # where the text of the released tokens ends
+        self.released_end = 0  # where the text of the released tokens ends
 
     @property
     def done(self) -> bool:
@@ -119,8 +119,8 @@ class ChoiceText:
         limit = self._sendable()
         delta, self.sent = self.text[self.sent:limit], limit
         start = end = self.released
-        while end < len(self.tokens) and (self.done or self._released_end + len(self.pieces[end]) <= self.sent):
-            self._released_end += len(self.pieces[end])
+        while end < len(self.tokens) and (self.done or self.released_end + len(self.pieces[end]) <= self.sent):
+            self.released_end += len(self.pieces[end])
             end += 1
         self.released = end
         return delta, start, end
@@ -151,11 +151,7 @@ async def open_streams(backend, who: str, model: str, requests: list[TokenSampli
 
 def _replayed(choices) -> TokenStream:
     stream = TokenStream()
-    for row, choice in enumerate(choices):
-        for i, (token, logprob) in enumerate(zip(choice.token_ids, choice.logprobs)):
-            last = i == len(choice.token_ids) - 1
-            top = choice.top_logprobs[i] if choice.top_logprobs is not None else None
-            stream.put(TokenEvent(row, token, logprob, top, ("stop" if choice.stopped else "length") if last else None))
+    replay(stream, [(c.token_ids, c.logprobs, c.top_logprobs, "stop" if c.stopped else "length") for c in choices])
     stream.end(choices)
     return stream
 
@@ -188,6 +184,16 @@ async def _events(streams: list[TokenStream], per_stream: int) -> AsyncIterator[
             task.cancel()
 
 
+def _settled(streams: list[TokenStream], choices: list[ChoiceText], i: int) -> bool:
+    """Choice i has ended: once every choice of its stream has, the engine may still be drawing past a stop
+    string, for nobody: cancel that job. True when every choice has ended (the reply is complete)."""
+    per_stream = len(choices) // len(streams)
+    stream = i // per_stream
+    if all(c.done for c in choices[stream * per_stream:(stream + 1) * per_stream]):
+        streams[stream].cancel()
+    return all(c.done for c in choices)
+
+
 async def chat_chunks(reply: ChatReply, streams: list[TokenStream], choices: list[ChoiceText]) -> AsyncIterator[dict]:
     for i in range(len(choices)):
         yield reply.chunk(i, {"role": "assistant", "content": ""})
@@ -212,7 +218,7 @@ async def chat_chunks(reply: ChatReply, streams: list[TokenStream], choices: lis
         if calls:
             yield reply.chunk(i, {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]})
         yield reply.chunk(i, {}, "tool_calls" if calls else finished.finish_reason)
-        if all(c.done for c in choices):  # the engine may still be drawing past a stop string: not for us
+        if _settled(streams, choices, i):
             break
     if reply.include_usage:
         yield reply.usage_chunk([c.finished() for c in choices])
@@ -224,7 +230,7 @@ async def completion_chunks(reply: CompletionReply, streams: list[TokenStream],
         choice = choices[i]
         if choice.done:
             continue
-        offset = choice._released_end
+        offset = choice.released_end
         choice.add(event)
         delta, start, end = choice.take()
         logprobs = reply.logprobs(choice.finished(), start, end, offset) if end > start else None
@@ -232,7 +238,7 @@ async def completion_chunks(reply: CompletionReply, streams: list[TokenStream],
             yield reply.chunk(i, delta, logprobs=logprobs)
         if choice.done:
             yield reply.chunk(i, "", choice.finished().finish_reason)
-            if all(c.done for c in choices):  # the engine may still be drawing past a stop string: not for us
+            if _settled(streams, choices, i):
                 break
     if reply.include_usage:
         yield reply.usage_chunk([c.finished() for c in choices])
