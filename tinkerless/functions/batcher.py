@@ -48,6 +48,7 @@ from tinkerless.wire.messages import SamplingParams
 
 if TYPE_CHECKING:
     from tinkerless.functions.engine import Generation, GenerationJob, TransformersEngine, _Row
+    from tinkerless.functions.token_stream import TokenStream
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 
@@ -116,13 +117,14 @@ class Batcher:
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
-        sessions: list[KVSession] | None = None,
+        sessions: list[KVSession] | None = None, stream: TokenStream | None = None, top_logprobs: int = 0,
     ) -> list[Generation]:
         engine = self.engine
         if sessions is not None and len(sessions) != len(prompts):
             raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts")
         jobs = [engine.start(prompts[start:end], sampling, seed=seed, first_index=start, policy=policy,
-                             sessions=sessions[start:end] if sessions is not None else None)
+                             sessions=sessions[start:end] if sessions is not None else None,
+                             stream=stream, top_logprobs=top_logprobs)
                 for start, end in engine.batches(prompts, sampling.max_tokens)]
         with self._lock:
             self._waiting.extend(_Member(job, policy, job.prompt_width + sampling.max_tokens)
@@ -283,12 +285,14 @@ class Batcher:
         """Draw every row's next token from `logits` (`_draw_block`) and record each member's; finished rows
         leave the batch (a row with a session leaves its keys/values there first)."""
         picks_all, picked_all = _draw_block(block.members, logits)
+        tops_all = _top_block(block.members, logits)
         keep: list[int] = []
         picks: list[int] = []
         offset = 0
         for member in block.members:
             count = member.job.active_rows
-            kept, drawn = member.job.record(picks_all[offset : offset + count], picked_all[offset : offset + count])
+            kept, drawn = member.job.record(picks_all[offset : offset + count], picked_all[offset : offset + count],
+                                            tops_all[offset : offset + count] if tops_all is not None else None)
             for position in sorted(set(range(count)) - set(kept)):
                 row = offset + position
                 member.job.finished(position, int(block.attention[row].sum()),
@@ -333,6 +337,16 @@ def _draw_block(members: list[_Member], logits: torch.Tensor) -> tuple[list[int]
             logits.index_select(0, rows), [g for i in indices for g in members[i].job.generators()])
         picks[rows], picked[rows] = group_picks, group_picked
     return picks.tolist(), picked.tolist()
+
+
+def _top_block(members: list[_Member], logits: torch.Tensor) -> list[list[tuple[int, float]]] | None:
+    """Per row, the most likely tokens and their log-probs (untempered, as the drawn tokens' log-probs), as
+    many as the block's members ask for at most (each job keeps its own k); None when none asks."""
+    k = max((m.job.top_logprobs for m in members), default=0)
+    if not k:
+        return None
+    top = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
 
 
 def _assemble(parts: list[tuple[_Block, torch.Tensor]], groups: list[list[int]], count: int) -> tuple[_Block, torch.Tensor]:

@@ -35,6 +35,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from tinkerless.errors import UserError
 from tinkerless.functions.batcher import BASE_ADAPTER, Batcher
 from tinkerless.functions.kv_cache import DEFAULT_MAX_SESSION_BYTES, Continuation, KVSession, KVSessionStore
+from tinkerless.functions.token_stream import TokenEvent, TokenStream
 from tinkerless.wire.messages import GREEDY_BELOW, SamplingParams
 
 # Rows x (prompt + max_tokens) positions one batch may hold in its KV cache (~3 GB for SmolLM2-135M in fp32).
@@ -48,9 +49,10 @@ DEFAULT_MAX_PREFILL_PADDING = 0.125
 class Generation:
     tokens: list[int]
     logprobs: list[float]
-    stop_reason: str  # "stop" (a stop token was drawn, and is the last token) | "length"
+    stop_reason: str  # "stop" (a stop token was drawn, and is the last token) | "length" | "cancelled" (its stream's)
     prefill_tokens: int = 0  # prompt tokens this call computed for this row (0: a row with the same prompt did)
     cached_tokens: int = 0  # prompt tokens whose keys/values were reused (a kept session, a prefix cache)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when the job was asked for them
 
 
 class Engine(Protocol):
@@ -109,6 +111,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with `top_logprobs`
 
     @property
     def to_prefill(self) -> list[int]:
@@ -136,6 +139,8 @@ class GenerationJob:
         sessions: list[KVSession | None] | None = None,
         store: KVSessionStore | None = None,
         weights: object = None,
+        stream: TokenStream | None = None,
+        top_logprobs: int = 0,
     ):
         if any(not prompt for prompt in prompts):
             raise UserError("a prompt to sample from is empty", hint="send at least one token per prompt")
@@ -145,6 +150,8 @@ class GenerationJob:
         self.stop_ids = set(stop_ids)
         self.device = device
         self.store, self.weights = store, weights
+        self.stream, self.first_index = stream, first_index  # each recorded token goes to `stream` as it is drawn
+        self.top_logprobs = top_logprobs  # k: record the k most likely tokens at each position (0: none)
         self.rows = [
             _Row(torch.Generator(device=device).manual_seed(row_seed(seed, first_index + i)), list(prompt),
                  session=sessions[i] if sessions is not None and store is not None else None)
@@ -223,23 +230,35 @@ class GenerationJob:
         """The active rows' generators, in batch order."""
         return [self.rows[r].generator for r in self._active]
 
-    def record(self, picks: list[int], picked_logprobs: list[float]) -> tuple[list[int], list[int]]:
-        """Record the token each active row drew (and its log-prob); rows that stopped leave `active`.
+    def record(
+        self, picks: list[int], picked_logprobs: list[float], tops: list[list[tuple[int, float]]] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """Record the token each active row drew (and its log-prob, and with `top_logprobs` the most likely
+        tokens); rows that stopped leave `active`. With a stream, each token is sent as it is recorded; once the
+        stream is cancelled (its reader hung up) every row ends with stop reason "cancelled".
 
         Returns (keep, picks): the positions among the active rows that go on decoding, and the
         token each of them drew (its next input).
         """
         keep: list[int] = []
+        cancelled = self.stream is not None and self.stream.cancelled
         for b, r in enumerate(self._active):
             row, token = self.rows[r], picks[b]
             row.tokens.append(token)
             row.logprobs.append(picked_logprobs[b])
+            top = tops[b][: self.top_logprobs] if tops is not None and self.top_logprobs else None
+            if top is not None:
+                row.top.append(top)
             if token in self.stop_ids:
                 row.stop_reason = "stop"
             elif len(row.tokens) >= self.sampling.max_tokens:
                 row.stop_reason = "length"
+            elif cancelled:
+                row.stop_reason = "cancelled"
             else:
                 keep.append(b)
+            if self.stream is not None:
+                self.stream.put(TokenEvent(self.first_index + r, token, picked_logprobs[b], top, row.stop_reason))
         self._finished = self._active  # `finished` reads the rows that were active at this draw
         self._active = [self._active[b] for b in keep]
         return keep, [picks[b] for b in keep]
@@ -257,7 +276,7 @@ class GenerationJob:
     def results(self) -> list[Generation]:
         return [Generation(r.tokens, r.logprobs, r.stop_reason or "length",
                            prefill_tokens=len(r.to_prefill) if r.tokens and not r.shared_prefill else 0,
-                           cached_tokens=r.cached)
+                           cached_tokens=r.cached, top_logprobs=r.top if self.top_logprobs else None)
                 for r in self.rows]
 
 
@@ -301,6 +320,7 @@ class TransformersEngine:
     def start(
         self, prompts: list[list[int]], sampling: SamplingParams, *, seed: int, first_index: int = 0,
         sessions: list[KVSession] | None = None, policy: str | None = None,
+        stream: TokenStream | None = None, top_logprobs: int = 0,
     ) -> GenerationJob:
         """A job for `prompts`, whose rows are rows first_index.. of a request seeded with `seed`; with
         `sessions`, rows continue their conversations' kept caches (computed by `policy`'s weights)."""
@@ -308,7 +328,8 @@ class TransformersEngine:
         return GenerationJob(prompts, sampling, stop_ids=self.stop_ids(sampling), seed=seed, first_index=first_index,
                              device=self.device, sessions=sessions if use_sessions else None,
                              store=self.sessions if use_sessions else None,
-                             weights=self.weights_tag(policy) if use_sessions else None)
+                             weights=self.weights_tag(policy) if use_sessions else None,
+                             stream=stream, top_logprobs=top_logprobs)
 
     def weights_tag(self, policy: str | None) -> object:
         """What identifies the weights `policy` samples with now: its adapter and the storage and in-place
@@ -341,7 +362,10 @@ class TransformersEngine:
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
-        sessions: list[KVSession] | None = None,
+        sessions: list[KVSession] | None = None, stream: TokenStream | None = None, top_logprobs: int = 0,
     ) -> list[Generation]:
-        """Sample, in one batch with every other generate call running at the time (`batcher`)."""
-        return self.batcher.generate(prompts, sampling, policy=policy, seed=seed, sessions=sessions)
+        """Sample, in one batch with every other generate call running at the time (`batcher`). With `stream`,
+        every token goes to it as it is drawn (and cancelling it ends the rows); with `top_logprobs` k, each token
+        also carries the k most likely tokens of the distribution it was drawn from."""
+        return self.batcher.generate(prompts, sampling, policy=policy, seed=seed, sessions=sessions, stream=stream,
+                                     top_logprobs=top_logprobs)

@@ -34,23 +34,83 @@ class FinishedChoice:
         return "".join(self.pieces)
 
 
+class PieceDecoder:
+    """Incremental detokenization: `add(token)` is the text that token adds to the decoded sequence, "" while it
+    ends in the middle of a UTF-8 character (held back until the character completes), so no piece holds a
+    U+FFFD that the whole text would not. `flush()` is what an incomplete character at the very end decodes to."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self._prefix = self._read = 0  # tokens[_prefix:_read]: the context decoded with each new token
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.tokens[start:end], skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        prefix_text = self._decode(self._prefix, self._read)
+        new_text = self._decode(self._prefix)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._prefix, self._read = max(self._read, len(self.tokens) - _WINDOW), len(self.tokens)
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        if self._read >= len(self.tokens):
+            return ""
+        rest = self._decode(self._prefix)[len(self._decode(self._prefix, self._read)):]
+        self._read = len(self.tokens)
+        return rest
+
+
 def token_pieces(tokenizer, tokens: list[int]) -> list[str]:
     """The text each token adds to the decoded sequence; "".join(result) is the decoded text."""
-    pieces: list[str] = []
-    prefix_offset = read_offset = 0
-    for i in range(len(tokens)):
-        prefix_text = tokenizer.decode(tokens[prefix_offset:read_offset], skip_special_tokens=True)
-        new_text = tokenizer.decode(tokens[prefix_offset:i + 1], skip_special_tokens=True)
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            pieces.append(new_text[len(prefix_text):])
-            prefix_offset, read_offset = max(read_offset, i + 1 - _WINDOW), i + 1
-        else:
-            pieces.append("")
-    if read_offset < len(tokens):  # an incomplete character at the very end: emit what it decodes to
-        prefix_text = tokenizer.decode(tokens[prefix_offset:read_offset], skip_special_tokens=True)
-        rest = tokenizer.decode(tokens[prefix_offset:], skip_special_tokens=True)
-        pieces[-1] += rest[len(prefix_text):]
+    decoder = PieceDecoder(tokenizer)
+    pieces = [decoder.add(token) for token in tokens]
+    if pieces:
+        pieces[-1] += decoder.flush()
     return pieces
+
+
+class StopScanner:
+    """OpenAI stop strings over text that grows piece by piece: `add(piece)` is True once the text holds a stop
+    string (`cut` is then where the first one starts: the text ends there); `stable()` is how much of the text
+    no later piece can turn into the start of a stop string (what a stream may send now)."""
+
+    def __init__(self, stop_strings: list[str]):
+        self.stops = [s for s in stop_strings if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""
+        self.cut: int | None = None
+
+    def add(self, piece: str) -> bool:
+        if self.cut is not None:
+            return True
+        searched_from = max(0, len(self.text) - self.longest + 1)  # earlier matches were found at earlier pieces
+        self.text += piece
+        found = [i for i in (self.text.find(s, searched_from) for s in self.stops) if i >= 0]
+        if found:
+            self.cut = min(found)
+        return self.cut is not None
+
+    def stable(self) -> int:
+        if self.cut is not None:
+            return self.cut
+        for length in range(min(len(self.text), self.longest - 1), 0, -1):  # the longest tail a stop string starts with
+            tail = self.text[-length:]
+            if any(s.startswith(tail) for s in self.stops):
+                return len(self.text) - length
+        return len(self.text)
+
+
+def clip_pieces(pieces: list[str], cut: int) -> list[str]:
+    """Every piece clipped to the text before position `cut`."""
+    kept, position = [], 0
+    for piece in pieces:
+        kept.append(piece[: max(0, cut - position)])
+        position += len(piece)
+    return kept
 
 
 def finish(tokenizer, choice: SampledChoice, stop_strings: list[str], stop_token_ids: list[int]) -> FinishedChoice:
@@ -61,20 +121,11 @@ def finish(tokenizer, choice: SampledChoice, stop_strings: list[str], stop_token
         tokens = tokens[:-1]
     pieces = token_pieces(tokenizer, tokens)
     reason = "stop" if choice.stopped else "length"
-    if stop_strings:
-        longest = max(len(s) for s in stop_strings)
-        text = ""
-        for k, piece in enumerate(pieces):
-            searched_from = max(0, len(text) - longest + 1)
-            text += piece
-            found = [i for i in (text.find(s, searched_from) for s in stop_strings) if i >= 0]
-            if found:
-                cut, position, kept = min(found), 0, []
-                for piece in pieces[:k + 1]:  # every piece clipped to the text before the stop string
-                    kept.append(piece[: max(0, cut - position)])
-                    position += len(piece)
-                pieces, tokens, drawn, reason = kept, tokens[:k + 1], k + 1, "stop"
-                break
+    scanner = StopScanner(stop_strings)
+    for k, piece in enumerate(pieces):
+        if scanner.add(piece):
+            pieces, tokens, drawn, reason = clip_pieces(pieces[:k + 1], scanner.cut), tokens[:k + 1], k + 1, "stop"
+            break
     top = choice.top_logprobs[: len(tokens)] if choice.top_logprobs is not None else None
     return FinishedChoice(pieces, tokens, list(choice.logprobs[: len(tokens)]), top, drawn, reason)
 

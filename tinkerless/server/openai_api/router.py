@@ -5,10 +5,11 @@
     POST /v1/chat/completions       messages (+ tools) through the model's chat template; `tool_calls` parsed
     POST /v1/completions            raw text or token-id prompts
 
-Both POST routes answer JSON or, with `stream: true`, server-sent events (one chunk per token, then
-`data: [DONE]`). A request is validated and sampled before the first byte is sent, so every error,
-streaming or not, is an HTTP 4xx/5xx with the OpenAI error body
-`{"error": {"message", "type", "param", "code"}}`, never a broken stream.
+Both POST routes answer JSON (`replies.py`) or, with `stream: true`, server-sent events sent as the model
+draws the tokens, then `data: [DONE]` (`streaming.py`). A request is validated, and its job has drawn its
+first token, before the first byte is sent, so an error up to then, streaming or not, is an HTTP 4xx/5xx with
+the OpenAI error body `{"error": {"message", "type", "param", "code"}}`; a later one ends the stream with an
+SSE `error` event of the same body.
 """
 
 from __future__ import annotations
@@ -16,22 +17,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
-import time
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from tinkerless.errors import ModelNotFoundError, ServerBusy, TinkerlessError
 from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.openai_api.backend import CompletionBackend, OpenAIError, TokenSampling
-from tinkerless.server.openai_api.output import (
-    FinishedChoice, chat_logprobs, completion_logprobs, finish,
-)
-from tinkerless.server.openai_api.render import chat_format, check_tools, parse_tool_calls, render_chat
+from tinkerless.server.openai_api.output import finish
+from tinkerless.server.openai_api.render import chat_format, check_tools, render_chat
+from tinkerless.server.openai_api.replies import ChatReply, CompletionReply
 from tinkerless.server.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from tinkerless.server.openai_api.streaming import ChoiceText, chat_chunks, completion_chunks, open_streams, sse_response
 from tinkerless.wire.messages import GREEDY_BELOW
 
 logger = logging.getLogger(__name__)
@@ -158,14 +157,17 @@ def openai_router(
             stop_ids = list(chat_format(tokenizer).eos_token_ids)
             top = (body.top_logprobs or 0) if body.logprobs else 0
             request_sampling = sampling(body, prompt_ids, body.token_limit, top, stop_ids)
+            reply = ChatReply(body, tokenizer, len(prompt_ids), parse_tools=bool(tools))
+            if body.stream:
+                streams = await open_streams(backend, who, body.model, [request_sampling])
+                texts = [ChoiceText(tokenizer, request_sampling.stop_strings, stop_ids, top_logprobs=bool(top),
+                                    hold_tool_calls=bool(tools)) for _ in range(body.n)]
+                return sse_response(request, chat_chunks(reply, streams, texts), streams, error_body)
             choices = await backend.sample(who, body.model, request_sampling)
             finished = [finish(tokenizer, c, request_sampling.stop_strings, stop_ids) for c in choices]
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        reply = _ChatReply(body, tokenizer, finished, len(prompt_ids), parse_tools=bool(tools))
-        if body.stream:
-            return _sse(reply.chunks())
-        return JSONResponse(reply.full())
+        return JSONResponse(reply.full(finished))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -185,17 +187,19 @@ def openai_router(
             limit = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
             requests = [sampling(body, p, min(limit, context_cap(len(p))) if body.max_tokens is None else limit,
                                  body.logprobs or 0, stop_ids) for p in prompts]
+            reply = CompletionReply(body, tokenizer, sum(len(p) * body.n for p in prompts))
+            if body.stream:
+                streams = await open_streams(backend, who, body.model, requests)
+                texts = [ChoiceText(tokenizer, r.stop_strings, stop_ids, top_logprobs=bool(r.top_logprobs))
+                         for r in requests for _ in range(body.n)]
+                return sse_response(request, completion_chunks(reply, streams, texts), streams, error_body)
             # Every prompt at once: the backend batches concurrent requests into one generation.
             results = await asyncio.gather(*(backend.sample(who, body.model, r) for r in requests))
-            finished = [[finish(tokenizer, c, r.stop_strings, stop_ids) for c in choices]
-                        for r, choices in zip(requests, results)]
+            finished = [finish(tokenizer, c, r.stop_strings, stop_ids) for r, choices in zip(requests, results)
+                        for c in choices]
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        reply = _CompletionReply(body, tokenizer, [c for group in finished for c in group],
-                                 sum(len(p) * body.n for p in prompts))
-        if body.stream:
-            return _sse(reply.chunks())
-        return JSONResponse(reply.full())
+        return JSONResponse(reply.full(finished))
 
     return router
 
@@ -217,107 +221,3 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "tinkerless"}
-
-
-def _sse(events: Iterator[dict]) -> StreamingResponse:
-    async def stream() -> AsyncIterator[bytes]:
-        for event in events:
-            yield f"data: {json.dumps(event)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _usage(prompt_tokens: int, finished: list[FinishedChoice]) -> dict:
-    completion = sum(f.completion_tokens for f in finished)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
-
-
-class _ChatReply:
-    def __init__(self, body: ChatCompletionRequest, tokenizer, finished: list[FinishedChoice], prompt_tokens: int,
-                 *, parse_tools: bool):
-        self.body, self.tokenizer, self.finished = body, tokenizer, finished
-        self.id, self.created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-        self.usage = _usage(prompt_tokens * body.n, finished)
-        self.parsed = [parse_tool_calls(f.text) if parse_tools else (f.text, []) for f in finished]
-
-    def _reason(self, i: int) -> str:
-        return "tool_calls" if self.parsed[i][1] else self.finished[i].finish_reason
-
-    def full(self) -> dict:
-        choices = []
-        for i, f in enumerate(self.finished):
-            content, calls = self.parsed[i]
-            message: dict = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-            choices.append({
-                "index": i, "message": message, "finish_reason": self._reason(i),
-                "logprobs": chat_logprobs(self.tokenizer, f) if self.body.logprobs else None,
-            })
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.body.model,
-                "system_fingerprint": None, "choices": choices, "usage": self.usage}
-
-    def _chunk(self, i: int, delta: dict, reason: str | None = None, logprobs: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
-                 "system_fingerprint": None,
-                 "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
-        if self.body.stream_options is not None and self.body.stream_options.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def chunks(self) -> Iterator[dict]:
-        for i, f in enumerate(self.finished):
-            yield self._chunk(i, {"role": "assistant", "content": ""})
-            content, calls = self.parsed[i]
-            if calls:  # the reply's text around the calls, then each call whole
-                if content:
-                    yield self._chunk(i, {"content": content})
-                for j, call in enumerate(calls):
-                    yield self._chunk(i, {"tool_calls": [{"index": j, **call}]})
-            else:
-                for k, piece in enumerate(f.pieces):
-                    logprobs = chat_logprobs(self.tokenizer, f, k, k + 1) if self.body.logprobs else None
-                    if piece or logprobs:
-                        yield self._chunk(i, {"content": piece}, logprobs=logprobs)
-            yield self._chunk(i, {}, self._reason(i))
-        if self.body.stream_options is not None and self.body.stream_options.include_usage:
-            yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
-                   "system_fingerprint": None, "choices": [], "usage": self.usage}
-
-
-class _CompletionReply:
-    def __init__(self, body: CompletionRequest, tokenizer, finished: list[FinishedChoice], prompt_tokens: int):
-        self.body, self.tokenizer, self.finished = body, tokenizer, finished
-        self.id, self.created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-        self.usage = _usage(prompt_tokens, finished)
-
-    def _logprobs(self, f: FinishedChoice, start: int = 0, end: int | None = None, offset: int = 0) -> dict | None:
-        return completion_logprobs(self.tokenizer, f, start, end, offset) if self.body.logprobs is not None else None
-
-    def full(self) -> dict:
-        choices = [{"index": i, "text": f.text, "logprobs": self._logprobs(f), "finish_reason": f.finish_reason}
-                   for i, f in enumerate(self.finished)]
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.body.model,
-                "system_fingerprint": None, "choices": choices, "usage": self.usage}
-
-    def _chunk(self, i: int, text: str, reason: str | None = None, logprobs: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.body.model,
-                 "system_fingerprint": None,
-                 "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
-        if self.body.stream_options is not None and self.body.stream_options.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def chunks(self) -> Iterator[dict]:
-        for i, f in enumerate(self.finished):
-            offset = 0
-            for k, piece in enumerate(f.pieces):
-                logprobs = self._logprobs(f, k, k + 1, offset)
-                if piece or logprobs:
-                    yield self._chunk(i, piece, logprobs=logprobs)
-                offset += len(piece)
-            yield self._chunk(i, "", f.finish_reason)
-        if self.body.stream_options is not None and self.body.stream_options.include_usage:
-            yield {"id": self.id, "object": "text_completion", "created": self.created, "model": self.body.model,
-                   "system_fingerprint": None, "choices": [], "usage": self.usage}

@@ -11,7 +11,8 @@
 Every request is one job on the server's `Scheduler` like any other sample call (tenants take turns,
 long generations yield between slices, the queue bounds apply) and is checked against the server's
 `ServingLimits` first. Requests that run at the same time decode in one batch (`functions/batcher.py`),
-whatever adapter each names: peft's mixed-adapter forward.
+whatever adapter each names: peft's mixed-adapter forward. A streamed request (`sample_stream`) is the
+same job, with a `TokenStream` that receives each token as the engine draws it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from tinkerless.errors import ServerBusy
 from tinkerless.functions.models import model_aliases, public_model_id
+from tinkerless.functions.token_stream import TokenStream, replay
 from tinkerless.server.limits import ServingLimits
 from tinkerless.server.openai_api.adapters import SLOT_PREFIX, AdapterCache, AdapterNames, AdapterRef, NotFound
 from tinkerless.server.openai_api.backend import OpenAIError, SampledChoice, TokenSampling, unknown_model
@@ -47,6 +49,7 @@ class ServeBackend:
         self.context_length: int | None = getattr(config, "max_position_embeddings", None)
         self.max_choices = self.limits.max_samples  # choices one request may ask for, all prompts together
         self.default_max_tokens = min(1024, self.limits.max_tokens)  # a request without max_tokens
+        self.cancelled_choices = 0  # choices whose stream's reader hung up mid-generation (statistics, tests)
 
     def tokenizer(self) -> Any:
         return self.worker.tokenizer
@@ -112,6 +115,30 @@ class ServeBackend:
                 )
 
     async def sample(self, caller: str, model: str, request: TokenSampling) -> list[SampledChoice]:
+        future = await self._submit(caller, model, request, None)
+        # Shielded: a client that hangs up must not cancel a job that may be loading an adapter.
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    async def sample_stream(self, caller: str, model: str, request: TokenSampling) -> TokenStream:
+        """The same job as `sample` (same checks, scheduler, tenancy and limits), whose tokens arrive on the
+        returned stream as they are drawn, then its `list[SampledChoice]` as the stream's result. A request
+        the checks refuse raises here, before anything is streamed; cancelling the stream ends the job."""
+        stream = TokenStream(asyncio.get_running_loop())
+        future = await self._submit(caller, model, request, stream)
+
+        def done(f) -> None:  # on the scheduler's thread: the stream hands it to the loop
+            if f.cancelled():
+                stream.fail(ServerBusy("the server stopped before the request ran"))
+            elif f.exception() is not None:
+                stream.fail(f.exception())
+            else:
+                stream.end(f.result())
+
+        future.add_done_callback(done)
+        return stream
+
+    async def _submit(self, caller: str, model: str, request: TokenSampling, stream: TokenStream | None):
+        """Check `request`, resolve `model` and queue its job on the scheduler; the job's future."""
         self._check(request)
         kind, target = await asyncio.to_thread(self._resolve, caller, model)
         seed = secrets.randbelow(2**31) if request.seed is None else request.seed % (1 << 63)
@@ -120,28 +147,38 @@ class ServeBackend:
         files = None
         if kind == "adapter" and not self.adapters.cached(target):  # read off the scheduler thread
             files = await asyncio.to_thread(self.names.load_files, target)
+        engine = self.worker.engine
+        streams = hasattr(engine, "batcher")  # the transformers engine: tokens (and top logprobs) as drawn
 
         def run() -> list[SampledChoice]:
+            if stream is not None and stream.cancelled:  # its client hung up while it was queued
+                return []
             slot = self.adapters.acquire(target, lambda _: files or self.names.load_files(target)) \
                 if kind == "adapter" else target
             try:
                 if kind == "live" and slot not in self.worker.policies:  # deleted while queued
                     raise unknown_model(model, [])
-                generations = self.worker.engine.generate(
-                    [list(request.prompt_ids)] * request.n, sampling, policy=slot, seed=seed)
-                top = [self._top_logprobs(slot, request.prompt_ids, g.tokens, request.top_logprobs)
-                       for g in generations] if request.top_logprobs else [None] * len(generations)
+                prompts = [list(request.prompt_ids)] * request.n
+                if streams:
+                    generations = engine.generate(prompts, sampling, policy=slot, seed=seed, stream=stream,
+                                                  top_logprobs=request.top_logprobs)
+                    top = [g.top_logprobs for g in generations]
+                else:
+                    generations = engine.generate(prompts, sampling, policy=slot, seed=seed)
+                    top = [self._top_logprobs(slot, request.prompt_ids, g.tokens, request.top_logprobs)
+                           for g in generations] if request.top_logprobs else [None] * len(generations)
             finally:
                 if kind == "adapter":
                     self.adapters.release(slot)
+            if stream is not None and not streams:  # an engine that only returns whole generations: replay them
+                replay(stream, [(g.tokens, g.logprobs, t, g.stop_reason) for g, t in zip(generations, top)])
+            self.cancelled_choices += sum(g.stop_reason == "cancelled" for g in generations)
             return [SampledChoice(g.tokens, g.logprobs, t, g.stop_reason == "stop") for g, t in zip(generations, top)]
 
         try:
-            future = self.scheduler.submit(run, tenant=caller)
+            return self.scheduler.submit(run, tenant=caller)
         except QueueFull as full:
             raise ServerBusy(str(full), hint=f"retry after {full.retry_after:.0f}s") from None
-        # Shielded: a client that hangs up must not cancel a job that may be loading an adapter.
-        return await asyncio.shield(asyncio.wrap_future(future))
 
     def _top_logprobs(self, policy: str, prompt: list[int], tokens: list[int], k: int) -> list[list[tuple[int, float]]]:
         """The k most likely tokens at each sampled position, by the model's own log-softmax (temperature 1, the
