@@ -31,6 +31,7 @@ import sysconfig
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import tinkerless
@@ -47,6 +48,10 @@ HOST_LIMITS = SandboxLimits(
     max_file_bytes=64 * 2**20, disk_bytes=256 * 2**20,
 )
 CALL_TIMEOUT_SECONDS = 120.0
+# bwrap runs with --die-with-parent, whose signal fires when the *thread* that started it exits. Calls run on
+# short-lived threads (a scheduler job's, an executor's), so hosts are started from this one long-lived thread:
+# otherwise a host dies with the job that happened to start it, and the next call pays for a fresh one.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenant-host-spawner")
 STDERR_TAIL_LINES = 20
 
 _tenant: contextvars.ContextVar[str] = contextvars.ContextVar("tinkerless_tenant", default="")
@@ -114,8 +119,8 @@ class UserCodeHost:
             os.set_inheritable(fd, False)
         code = f"from tinkerless.functions.user_code_host import main\nmain({requests_r}, {replies_w}, {control.fileno()})\n"
         try:
-            self._sandbox = spawn(code, limits=self.limits, profile=self.profile,
-                                  pass_fds=(requests_r, replies_w, control.fileno()), stderr=stderr_w)
+            self._sandbox = _SPAWNER.submit(spawn, code, limits=self.limits, profile=self.profile,
+                                            pass_fds=(requests_r, replies_w, control.fileno()), stderr=stderr_w).result()
         finally:
             for fd in (requests_r, replies_w, stderr_w):
                 os.close(fd)
