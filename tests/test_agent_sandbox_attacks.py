@@ -286,3 +286,19 @@ def test_another_tenant_is_served_while_an_agent_rollout_runs(shared):
     thread.join()
     assert done["r"].episodes[0].status == "ok"
     assert answered < 5.0, f"alice waited {latency:.1f}s, behind bob's whole rollout"
+
+
+def test_frames_split_anywhere_decode_and_bad_ones_are_refused():
+    from tinkerless.functions.agent_channel import MAX_FRAME_BYTES, FrameError, FrameReader, encode_frame
+
+    frames = [{"id": 1, "method": "GET", "path": "/v1/models", "headers": [], "body": b""}, {"done": "k"}]
+    data = b"".join(encode_frame(f) for f in frames)
+    reader = FrameReader()
+    got = [f for i in range(len(data)) for f in reader.feed(data[i:i + 1])]  # one byte at a time
+    assert got == frames
+    with pytest.raises(FrameError, match="over the limit"):
+        FrameReader().feed((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+    with pytest.raises(FrameError, match="not msgpack"):
+        FrameReader().feed(b"\x00\x00\x00\x03\xc1\xc1\xc1")
+    with pytest.raises(FrameError, match="not msgpack"):  # an ext type: nothing is registered to decode one
+        FrameReader().feed(b"\x00\x00\x00\x03\xd4\x05\x00")

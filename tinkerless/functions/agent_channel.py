@@ -39,6 +39,10 @@ class FrameError(Exception):
     """The peer sent something that is not a frame of this protocol (garbage, or over the size limit)."""
 
 
+def _no_ext(code: int, data: bytes) -> None:
+    raise ValueError(f"msgpack extension type {code}")
+
+
 def encode_frame(message: dict) -> bytes:
     data = msgpack.packb(message, use_bin_type=True)
     return _LENGTH.pack(len(data)) + data
@@ -61,8 +65,8 @@ class FrameReader:
             if len(self._buffer) < _LENGTH.size + length:
                 break
             data, self._buffer = bytes(self._buffer[_LENGTH.size:_LENGTH.size + length]), self._buffer[_LENGTH.size + length:]
-            try:  # raw=False: str stays str; strict_map_key: only str/bytes keys; no ext types are registered
-                frames.append(msgpack.unpackb(data, raw=False, strict_map_key=True))
+            try:  # raw=False: str stays str; strict_map_key: only str/bytes keys; ext types are refused
+                frames.append(msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext))
             except Exception as exc:  # noqa: BLE001 - any decoding failure is the same protocol violation
                 raise FrameError(f"a frame that is not msgpack ({type(exc).__name__})") from None
         return frames

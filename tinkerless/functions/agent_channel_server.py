@@ -19,6 +19,7 @@ The sandbox is hostile, so the channel checks every frame before anything else s
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import socket
 from typing import Any, Callable
@@ -27,6 +28,7 @@ from tinkerless.functions.agent_channel import (
     MAX_BODY_BYTES, MAX_HEADERS, FrameError, FrameReader, encode_frame, error_reply,
 )
 
+logger = logging.getLogger(__name__)
 _PATH = re.compile(r"/v1/[A-Za-z0-9_.@:/-]*(\?[A-Za-z0-9_.~=&%+-]*)?")
 _MAX_HEADER_CHARS = 8192
 ENDPOINT_HOST = "http://tinkerless-worker"
@@ -92,7 +94,11 @@ class ChannelServer:
             self.on_violation(self.failure)
 
     async def _answer(self, frame: dict) -> None:
-        reply = self._refusal(frame) or await self._dispatch(frame)
+        try:
+            reply = self._refusal(frame) or await self._dispatch(frame)
+        except Exception:  # noqa: BLE001 - the route code answers errors itself; this is a bug, logged, not a hang
+            logger.exception("an agent channel request failed")
+            reply = error_reply(frame["id"], 500, "the worker failed to answer this request", "internal_error", "server_error")
         async with self._write:
             try:
                 await asyncio.get_running_loop().sock_sendall(self.sock, encode_frame(reply))
