@@ -8,8 +8,8 @@ and sandboxed (`functions/hosted_agents.py`: the copies in the tenant's bubblewr
 requests over the rollout's channel), alternating, after one warm-up round each. Prints:
 
 * seconds per rollout, median and minimum, each way, and their ratio;
-* host start cost: a fresh tenant's first sandboxed rollout (bwrap start, the host's imports of
-  openai/httpx, unpickling the agent) against that tenant's next (warm) one;
+* host start cost: a fresh tenant's first sandboxed rollout of an agent that makes no call (bwrap
+  start, unpickling, the host's imports of openai/httpx) against that tenant's next (warm) one;
 * fairness, through a live multi-tenant server: another tenant's one-prompt `sample` latency on an
   idle server, and while an agent rollout whose copies spend `--tool-seconds` on tool work between
   their calls is running (the rollout gives its turn away while it does not generate); then the
@@ -19,6 +19,7 @@ requests over the rollout's channel), alternating, after one warm-up round each.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -52,6 +53,11 @@ async def two_calls(client, task):
     return float(len(second.choices[0].message.content or "") % 3)
 
 
+@tinkerless.agent
+async def no_calls(client, task):
+    return 0.0
+
+
 def request(max_tokens: int, seed: int, tool_seconds: float = 0.0) -> RolloutRequest:
     tasks = [{"q": "What is 2 + 3?", "tool_seconds": tool_seconds}, {"q": "Name a color.", "tool_seconds": tool_seconds}]
     return RolloutRequest(policy=BASE_POLICY, tasks=tasks, group_size=4,
@@ -78,10 +84,11 @@ def main() -> None:
     times: dict[str, list[float]] = {"in-process": [], "sandboxed": []}
     try:
         worker.rollout(request(args.max_tokens, 0))  # warm-up: the model's first generate calls
+        worker.user_code_hosts = hosts
         with tenant_scope("bench-cold"):  # a fresh tenant: its host starts inside this rollout
-            worker.user_code_hosts = hosts
-            cold, _ = timed(lambda: worker.rollout(request(args.max_tokens, 0)))
-            warm, _ = timed(lambda: worker.rollout(request(args.max_tokens, 0)))
+            noop = dataclasses.replace(request(args.max_tokens, 0), agent=pack_code(no_calls), group_size=1)
+            cold, _ = timed(lambda: worker.rollout(noop))  # bwrap, unpickling, importing openai + httpx inside
+            warm, _ = timed(lambda: worker.rollout(noop))
         for repeat in range(args.repeats):
             for mode in ("in-process", "sandboxed"):
                 worker.user_code_hosts = hosts if mode == "sandboxed" else None
@@ -98,7 +105,7 @@ def main() -> None:
         print(f"  {mode:10s} median {statistics.median(values):.3f} s  min {min(values):.3f} s")
     ratio = statistics.median(times["sandboxed"]) / statistics.median(times["in-process"])
     print(f"  sandboxed / in-process (median): {ratio:.2f}x")
-    print(f"  host start: a fresh tenant's first sandboxed rollout {cold:.3f} s, its next {warm:.3f} s "
+    print(f"  host start (an agent that makes no call): a fresh tenant's first rollout {cold:.3f} s, its next {warm:.3f} s "
           f"(start cost {cold - warm:.3f} s)")
     fairness(worker, args, idle_yield=True)
     from tinkerless.functions import hosted_agents  # the "before": the rollout holds the model while its copies work

@@ -191,7 +191,7 @@ async def knocking(client, task):
 async def remember_key(client, task):
     import builtins
 
-    builtins._tinkerless_test_stale_key = client.api_key  # the host process outlives the rollout
+    builtins._tinkerless_test_stale_key = client.api_key  # the host outlives the rollout (and the job thread that started it)
     return 0.0
 
 
