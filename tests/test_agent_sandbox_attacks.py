@@ -105,11 +105,11 @@ def test_a_sandboxed_agent_rollout_equals_the_in_process_one(shared, worker, tem
     for a, b in zip(local, hosted):
         assert (a.reward, a.info, a.num_turns, a.transcript) == (b.reward, b.info, b.num_turns, b.transcript)
         assert a.tokens.tolist() == b.tokens.tolist() and a.mask.tolist() == b.mask.tolist()
-        np.testing.assert_allclose(a.sampler_logprobs, b.sampler_logprobs, atol=1e-5)
+        np.testing.assert_allclose(a.sampler_logprobs, b.sampler_logprobs, atol=1e-4)
         assert len(a.extra_sequences) == len(b.extra_sequences) == 1
         for x, y in zip(a.extra_sequences, b.extra_sequences):
             assert x.tokens.tolist() == y.tokens.tolist() and x.mask.tolist() == y.mask.tolist()
-            np.testing.assert_allclose(x.sampler_logprobs, y.sampler_logprobs, atol=1e-5)
+            np.testing.assert_allclose(x.sampler_logprobs, y.sampler_logprobs, atol=1e-4)
 
 
 @tinkerless.agent
@@ -184,6 +184,9 @@ async def knocking(client, task):
     many = {f"x-h{i}": "1" for i in range(80)}
     statuses["many_headers"] = float((await http.get("http://tinkerless-worker/v1/models", headers={**auth, **many})).status_code)
     await status_of("policy", chat.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+    stream = await chat.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True)
+    chunks = [chunk async for chunk in stream]  # server-sent events come back whole, and parse as a stream
+    statuses["stream_chunks"] = float(len(chunks) >= 2)
     return tinkerless.AgentResult(reward=1.0, metrics=statuses)
 
 
@@ -212,7 +215,7 @@ def test_requests_outside_what_an_agent_may_ask_are_4xx_and_the_server_keeps_ser
     assert statuses == {
         "other_model": 404.0, "other_tenant_run": 404.0, "huge_body": 413.0, "huge_body_sent": 413.0,
         "made_up_key": 401.0, "stale_key": 401.0, "outside_v1": 404.0, "dot_dot": 404.0, "delete": 405.0,
-        "many_headers": 431.0, "policy": 200.0,
+        "many_headers": 431.0, "policy": 200.0, "stream_chunks": 1.0,
     }, statuses
     alice_samples(url, alice)
 
