@@ -305,3 +305,15 @@ def test_frames_split_anywhere_decode_and_bad_ones_are_refused():
         FrameReader().feed(b"\x00\x00\x00\x03\xc1\xc1\xc1")
     with pytest.raises(FrameError, match="not msgpack"):  # an ext type: nothing is registered to decode one
         FrameReader().feed(b"\x00\x00\x00\x03\xd4\x05\x00")
+
+
+def test_train_an_agent_through_the_shared_server(shared, tiny_model, tmp_path):
+    url, alice, bob, storage, _ = shared
+    result = tinkerless.train(
+        model=tiny_model, agent=two_turns_then_summary, tasks=[{"q": "a"}, {"q": "b"}], steps=2, batch_size=2,
+        group_size=2, max_tokens=4, storage=str(tmp_path), progress=False, learning_rate=1e-3, run_id="agent-run",
+        backend=HTTPBackend(url, api_key=bob),
+    )
+    assert [m["step"] for m in result.metrics] == [0, 1]
+    assert all(m["episodes"] == 4 and m["episodes_error"] == 0 and "agent/chars" in m for m in result.metrics)
+    assert (storage / "tenants/bob/runs/agent-run").is_dir()  # bob's run, trained from his sandboxed agent
