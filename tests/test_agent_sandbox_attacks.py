@@ -148,6 +148,7 @@ def test_the_agent_runs_in_the_sandbox_and_reaches_only_the_model(shared):
     assert found["tcp_to_server"] == found["keys_file"] == found["server_environ"] == found["env_secret"] == 0.0, found
     assert found["model_reached"] == 1.0 and episode.reward == 1.0
     assert found["uid"] != os.getuid() and found["pid"] < 10  # its own uid, its own PID namespace
+    alice_samples(url, alice)
 
 
 @tinkerless.agent
