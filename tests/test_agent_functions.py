@@ -193,20 +193,23 @@ def test_config_refuses_an_agent_with_an_env_or_reward_and_bad_agent_settings():
         tinkerless.TrainConfig(**base, agent_transport="carrier-pigeon").validate()
 
 
-def test_a_multi_tenant_server_refuses_agent_rollouts_with_a_user_error(worker):
+def test_a_multi_tenant_worker_runs_agent_rollouts_in_the_tenants_sandbox(worker):
+    """No longer refused (issue #15): the copies run in the tenant's host; tests/test_agent_sandbox_attacks.py has more."""
+    from tinkerless.functions.user_code import UserCodeHosts, tenant_scope
     from tinkerless.wire import decode_message, encode_message, pack_code
-    from tinkerless.wire.messages import ErrorReply, RolloutRequest
+    from tinkerless.wire.messages import RolloutRequest, RolloutResult
 
-    request = RolloutRequest(policy=BASE_POLICY, tasks=[{"q": "a"}], group_size=1, sampling=SamplingParams(),
+    request = RolloutRequest(policy=BASE_POLICY, tasks=[{"q": "a"}], group_size=2, sampling=SamplingParams(max_tokens=4),
                              limits=EpisodeLimits(), seed=0, agent=pack_code(one_call))
-    from tinkerless.functions.user_code import UserCodeHosts
-
-    worker.user_code_hosts = UserCodeHosts()  # a shared server: tenant code lives in sandboxes (none started here)
+    worker.user_code_hosts = hosts = UserCodeHosts()  # a shared server: tenant code lives in sandboxes
     try:
-        reply = decode_message(worker.handle("rollout", encode_message(request)))
+        with tenant_scope("dave"):
+            reply = decode_message(worker.handle("rollout", encode_message(request)))
     finally:
         worker.user_code_hosts = None
-    assert isinstance(reply, ErrorReply) and reply.category == "user" and "multi-tenant" in reply.error
+        hosts.close()
+    assert isinstance(reply, RolloutResult) and [e.status for e in reply.episodes] == ["ok", "ok"]
+    assert reply.stats["agent_requests"] == 2.0  # both copies called the model over their channel
 
 
 @tinkerless.agent

@@ -20,22 +20,19 @@ episode with its traceback, dropped from training like a failing env.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import math
 import secrets
 import threading
-import traceback as tb
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from tinkerless.errors import TinkerlessError
 from tinkerless.functions.engine import Engine
 from tinkerless.functions.recording import EpisodeRecorder, Sequence
-from tinkerless.sdk.decorators import agent_reward
+from tinkerless.functions.agent_host import play_copy
 from tinkerless.server.openai_api.backend import OpenAIError, SampledChoice, TokenSampling
 from tinkerless.wire.messages import Episode, EpisodeLimits, SamplingParams
 
@@ -58,6 +55,13 @@ class _Copy:
     metrics: dict = field(default_factory=dict)
     error: str | None = None
     traceback: str | None = None
+
+    def settle(self, outcome: dict) -> None:
+        """Take a `play_copy` outcome: the reward and metrics, or the error and its traceback."""
+        if outcome["error"] is None:
+            self.reward, self.metrics = outcome["reward"], outcome["metrics"]
+        else:
+            self.error, self.traceback = outcome["error"], outcome["traceback"]
 
 
 class PolicyBackend:
@@ -235,17 +239,20 @@ def run_agent_episodes(
     transport: str = "asgi",
 ) -> list[Episode]:
     """Run `group_size` copies of `agent` per task against the policy; one episode per copy, in task order."""
-    same_reply = same_reply_checker(tokenizer)
-    copies = [
-        _Copy(index=i, task_index=t, task=task, episode_id=f"episode-{i}-{secrets.token_hex(8)}",
-              recorder=EpisodeRecorder(same_reply), seed=seed * 7919 + i)
-        for i, (t, task) in enumerate((t, task) for t, task in enumerate(tasks) for _ in range(group_size))
-    ]
+    copies = make_copies(tokenizer, tasks, group_size, seed)
     with ThreadPoolExecutor(max_workers=max(1, min(len(copies), MAX_SAMPLING_THREADS)), thread_name_prefix="agent-sample") as executor:
         backend = PolicyBackend(engine, tokenizer, policy=policy, sampling=sampling, limits=limits,
                                 copies={c.episode_id: c for c in copies}, executor=executor)
         _in_own_loop(lambda: _play(agent, copies, backend, timeout, transport))
     return [_episode(c, tokenizer) for c in copies]
+
+
+def make_copies(tokenizer: Any, tasks: list[dict], group_size: int, seed: int) -> list[_Copy]:
+    """`group_size` copies per task, in task order; each episode id is a fresh secret (its client's API key)."""
+    same_reply = same_reply_checker(tokenizer)
+    pairs = [(t, task) for t, task in enumerate(tasks) for _ in range(group_size)]
+    return [_Copy(index=i, task_index=t, task=task, episode_id=f"episode-{i}-{secrets.token_urlsafe(18)}",
+                  recorder=EpisodeRecorder(same_reply), seed=seed * 7919 + i) for i, (t, task) in enumerate(pairs)]
 
 
 def _in_own_loop(main: Callable[[], Any]) -> None:
@@ -295,17 +302,8 @@ async def _play(agent: Callable, copies: list[_Copy], backend: PolicyBackend, ti
     try:
         async def play(run: _Copy) -> None:
             client = openai.AsyncOpenAI(api_key=run.episode_id, base_url=base_url, http_client=http_client, max_retries=0)
-            name = getattr(agent, "__qualname__", "agent")
             try:
-                value = await asyncio.wait_for(agent(client, copy.deepcopy(run.task)), timeout)
-                run.reward, run.metrics = agent_reward(value, name)
-            except asyncio.TimeoutError as exc:
-                run.error = f"{name}: timed out after agent_timeout={timeout:g} s"
-                run.traceback = "".join(tb.format_exception(exc))
-            except TinkerlessError as exc:
-                run.error, run.traceback = f"{name}: {type(exc).__name__}: {exc.message}", tb.format_exc()
-            except Exception as exc:  # noqa: BLE001 - the agent's own failure ends only its episode
-                run.error, run.traceback = f"{name}: {type(exc).__name__}: {exc}", tb.format_exc()
+                run.settle(await play_copy(agent, client, run.task, timeout))
             finally:
                 backend.gather.agent_done()
 

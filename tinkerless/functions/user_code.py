@@ -26,10 +26,12 @@ import contextlib
 import contextvars
 import os
 import random
+import socket
 import sysconfig
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import tinkerless
@@ -46,6 +48,10 @@ HOST_LIMITS = SandboxLimits(
     max_file_bytes=64 * 2**20, disk_bytes=256 * 2**20,
 )
 CALL_TIMEOUT_SECONDS = 120.0
+# bwrap runs with --die-with-parent, whose signal fires when the *thread* that started it exits. Calls run on
+# short-lived threads (a scheduler job's, an executor's), so hosts are started from this one long-lived thread:
+# otherwise a host dies with the job that happened to start it, and the next call pays for a fresh one.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenant-host-spawner")
 STDERR_TAIL_LINES = 20
 
 _tenant: contextvars.ContextVar[str] = contextvars.ContextVar("tinkerless_tenant", default="")
@@ -99,6 +105,7 @@ class UserCodeHost:
         self._lock = threading.RLock()
         self._sandbox: SpawnedSandbox | None = None
         self._requests_w = self._replies_r = -1
+        self._control: socket.socket | None = None  # agent rollouts' model channels go over it (fd passing)
         self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         self._created: list[int] = []  # instances made since the last release()
 
@@ -107,14 +114,17 @@ class UserCodeHost:
         requests_r, self._requests_w = os.pipe()
         self._replies_r, replies_w = os.pipe()
         stderr_r, stderr_w = os.pipe()
-        for fd in (self._requests_w, self._replies_r, stderr_r):
+        self._control, control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for fd in (self._requests_w, self._replies_r, stderr_r, self._control.fileno()):
             os.set_inheritable(fd, False)
-        code = f"from tinkerless.functions.user_code_host import main\nmain({requests_r}, {replies_w})\n"
+        code = f"from tinkerless.functions.user_code_host import main\nmain({requests_r}, {replies_w}, {control.fileno()})\n"
         try:
-            self._sandbox = spawn(code, limits=self.limits, profile=self.profile, pass_fds=(requests_r, replies_w), stderr=stderr_w)
+            self._sandbox = _SPAWNER.submit(spawn, code, limits=self.limits, profile=self.profile,
+                                            pass_fds=(requests_r, replies_w, control.fileno()), stderr=stderr_w).result()
         finally:
             for fd in (requests_r, replies_w, stderr_w):
                 os.close(fd)
+            control.close()
         self._stderr_tail.clear()
         threading.Thread(target=self._drain, args=(stderr_r,), daemon=True, name=f"tenant-host-stderr-{self.tenant}").start()
 
@@ -136,21 +146,36 @@ class UserCodeHost:
                     with contextlib.suppress(OSError):
                         os.close(fd)
                 self._requests_w = self._replies_r = -1
+                if self._control is not None:
+                    self._control.close()
+                    self._control = None
+
+    def kill(self) -> None:
+        """SIGKILL the sandbox now, without the lock (a call may hold it, blocked on the dead host's answer:
+        that call then sees the pipe close, fails, and tidies up with `close`)."""
+        sandbox = self._sandbox
+        if sandbox is not None:
+            with contextlib.suppress(ProcessLookupError):
+                sandbox.proc.kill()
 
     # ---- calls ------------------------------------------------------------------
-    def request(self, request: HostRequest) -> HostReply:
+    def request(self, request: HostRequest, *, timeout: float | None = None, channel: socket.socket | None = None) -> HostReply:
+        """One call to the host; `channel` (an agent rollout's model channel) is passed to it first."""
+        timeout = self.call_timeout if timeout is None else timeout
         with self._lock:
             if self._sandbox is None or self._sandbox.proc.poll() is not None:
                 self.close()
                 self._start()
-            deadline = time.monotonic() + self.call_timeout
+            deadline = time.monotonic() + timeout
             try:
+                if channel is not None:
+                    socket.send_fds(self._control, [b"c"], [channel.fileno()])
                 write_frame(self._requests_w, request, deadline)
                 reply = self._read_reply(deadline)
             except TimeoutError:
                 self.close()
                 raise HostedCodeError(
-                    f"the tenant's code did not answer within {self.call_timeout:g} s and was stopped",
+                    f"the tenant's code did not answer within {timeout:g} s and was stopped",
                     hint="an env step or reward must return; its sandbox was killed and starts afresh on the next call",
                 ) from None
             except (EOFError, OSError) as exc:

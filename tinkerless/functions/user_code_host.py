@@ -28,6 +28,7 @@ class _Objects:
         self.by_handle: dict[int, Any] = {}
         self.next_handle = 1
         self.loaded: dict[bytes, int] = {}  # blob payload -> handle: a rollout's code is unpickled once
+        self.control: Any = None  # the control socket (agent rollouts' channels come over it)
 
     def add(self, value: Any) -> int:
         handle = self.next_handle
@@ -102,6 +103,8 @@ def answer(request: HostRequest, objects: _Objects) -> HostReply:
         methods, attributes = _describe(code)
         kind = "class" if isinstance(code, type) else "function"
         return HostReply(True, value=kind, handle=handle, methods=methods, attributes=attributes, name=str(getattr(code, "__qualname__", request.blob.name)))
+    if request.op == "agents":  # a whole agent rollout; its model channel comes over the control socket
+        return HostReply(True, value=plain(_agents(request, objects)))
     if request.op == "drop":
         keep = set(objects.loaded.values())
         for handle in request.args:
@@ -124,6 +127,21 @@ def answer(request: HostRequest, objects: _Objects) -> HostReply:
     raise ValueError(f"unknown host operation {request.op!r}")
 
 
+def _agents(request: HostRequest, objects: _Objects) -> list[dict]:
+    import socket
+
+    from tinkerless.functions.agent_host import run_agents
+
+    if objects.control is None:
+        raise RuntimeError("this host was started without a control socket: it cannot run agents")
+    _, fds, _, _ = socket.recv_fds(objects.control, 1, 1)
+    if len(fds) != 1:
+        raise RuntimeError("no model channel came with the agent rollout")
+    channel = socket.socket(fileno=fds[0])
+    tasks, keys = request.args
+    return run_agents(objects.get(request.handle), channel, tasks, keys, float(request.kwargs["timeout"]))
+
+
 def _answer_one(request: HostRequest, objects: _Objects) -> HostReply:
     try:
         return answer(request, objects)
@@ -131,10 +149,15 @@ def _answer_one(request: HostRequest, objects: _Objects) -> HostReply:
         return HostReply(False, error_type=type(exc).__name__, error=str(exc)[:2000], traceback=traceback.format_exc()[-8000:])
 
 
-def main(requests_fd: int, replies_fd: int) -> None:
+def main(requests_fd: int, replies_fd: int, control_fd: int = -1) -> None:
+    """`control_fd`: a unix socket over which each agent rollout's model channel arrives (SCM_RIGHTS)."""
     os.dup2(2, 1)  # print() in user code goes to stderr, never into the replies pipe
     sys.stdout = sys.stderr
     objects = _Objects()
+    if control_fd >= 0:
+        import socket
+
+        objects.control = socket.socket(fileno=control_fd)
     while True:
         try:
             request = read_frame(requests_fd)

@@ -391,22 +391,23 @@ class Worker:
         """Copies of an @tinkerless.agent function against this worker's OpenAI endpoint (agent_functions.py)."""
         from tinkerless.functions.agent_functions import run_agent_episodes
 
-        if self.user_code_hosts is not None:
-            raise UserError(
-                "agent functions do not run on a shared multi-tenant server yet: its tenants' code runs in a "
-                "sandbox with no way to reach the model's endpoint",
-                hint="train the agent locally (backend='local') or on a server of your own (tinkerless serve --single-user)",
-            )
         if request.env is not None or request.reward is not None:
             raise UserError("a rollout takes an agent or an env/reward, not both", hint="send only `agent`")
+        agent = self._load_code(request.agent)
+        options = dict(policy=request.policy, tasks=request.tasks, group_size=request.group_size, sampling=request.sampling,
+                       limits=request.limits, seed=request.seed, timeout=request.agent_timeout)
+        stats: dict = {}
         with rollout_clock() as clock:
-            episodes = run_agent_episodes(
-                self.engine, self.tokenizer, agent=self._load_code(request.agent), policy=request.policy,
-                tasks=request.tasks, group_size=request.group_size, sampling=request.sampling, limits=request.limits,
-                seed=request.seed, timeout=request.agent_timeout, transport=request.agent_transport,
-            )
+            if self.user_code_hosts is not None:  # a shared server: the copies run in the tenant's sandbox
+                from tinkerless.functions.hosted_agents import run_hosted_agent_episodes
+
+                episodes, stats = run_hosted_agent_episodes(self.engine, self.tokenizer, agent=agent, **options)
+            else:
+                episodes = run_agent_episodes(self.engine, self.tokenizer, agent=agent, transport=request.agent_transport,
+                                              **options)
         sampled = float(sum(e.sampled_tokens() for e in episodes))
-        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **clock.as_stats()})
+        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **stats,
+                                        **clock.as_stats()})
 
     def _rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
         started = time.perf_counter()
