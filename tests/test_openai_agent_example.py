@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -15,12 +16,12 @@ from transformers import AutoTokenizer
 from tinkerless.functions.agent_functions import run_agent_episodes
 from tinkerless.functions.chat import ChatFormat
 from tinkerless.functions.engine import Generation
+from tinkerless.sdk.cli import load_config
 from tinkerless.sdk.sft_data import ChatRenderer
 from tinkerless.wire.messages import BASE_POLICY, EpisodeLimits, SamplingParams
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-sys.path.insert(0, str(EXAMPLES))
-import openai_agent as example  # noqa: E402
+load_config(str(Path(__file__).resolve().parent.parent / "examples" / "openai_agent.py"))  # as `tinkerless train` does
+example = sys.modules["openai_agent"]
 
 
 class ReplayEngine:
@@ -140,6 +141,6 @@ def test_main_runs_sft_then_rl_from_its_checkpoint_on_the_tiny_model(tiny_model,
     assert all(0.0 <= r <= 1.0 for r in summary["reward"]) and all(np.isfinite(summary["tool_calls"]))
     runs = tmp_path / "runs"
     assert (runs / summary["sft_run"] / "metrics.jsonl").is_file() and (runs / summary["rl_run"] / "metrics.jsonl").is_file()
-    config = (runs / summary["rl_run"] / "config.json").read_text()
-    assert f'{summary["sft_run"]}@latest' in config
+    state = json.loads((runs / summary["rl_run"] / "state.json").read_text())
+    assert state["config"]["init_from"] == f'{summary["sft_run"]}@latest' and state["config"]["agent"] == "solve"
     assert 0 < summary["sft_s"] < summary["total_s"]
