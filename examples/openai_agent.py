@@ -41,7 +41,10 @@ Reward (`score`): 1.0 for the right number, else 0.5 when the calculator returne
 0.1 for a botched one, 0 otherwise: partial credit gives a 135M model a signal towards the tool before
 it ever answers right (the ladder of examples/calculator_agent.py's env).
 
-Measured here (bench/results/agentlearn-2026-11-25.md): MEASURED_NUMBERS_PENDING
+Measured here with `python examples/openai_agent.py` (bench/results/agentlearn-2026-11-25.md; 2-core CPU
+shared with other jobs, load average 2.2-5.8): SFT 103 s, total 24 min. Reward per RL step (step 0 samples
+the SFT-only adapter) 0.044, 0.181, 0.412, 0.575, 0.969, 0.925, 0.956, 0.800; calculator calls per episode
+0.00 -> 1.00 from step 4 on; fraction correct 0.00 -> 0.94 at steps 4 and 6 (0.69 at step 7).
 """
 
 import asyncio
