@@ -101,7 +101,7 @@ def score(task: dict, answer_text: str, results: list, attempted: bool) -> float
         return 0.3
     if good:
         return 0.2
-    return 0.1 if attempted or results else 0.0
+    return 0.1 if attempted else 0.0
 
 
 @tinkerless.agent
