@@ -45,6 +45,8 @@ Measured here with `python examples/openai_agent.py` (bench/results/agentlearn-2
 shared with other jobs, load average 2.2-5.8): SFT 103 s, total 24 min. Reward per RL step (step 0 samples
 the SFT-only adapter) 0.044, 0.181, 0.412, 0.575, 0.969, 0.925, 0.956, 0.800; calculator calls per episode
 0.00 -> 1.00 from step 4 on; fraction correct 0.00 -> 0.94 at steps 4 and 6 (0.69 at step 7).
+RL alone (`tinkerless train examples/openai_agent.py`, same 8 steps) stayed at 0.100 from step 3 on: every
+copy wrote a botched `<tool_call>`, every group scored alike, and nothing was left to train on.
 """
 
 import asyncio
