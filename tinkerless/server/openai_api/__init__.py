@@ -7,10 +7,10 @@ caller's trained adapters); the rollout worker mounts them per rollout for agent
 from tinkerless.server.openai_api.backend import (
     CompletionBackend, OpenAIError, SampledChoice, TokenSampling, unknown_model,
 )
-from tinkerless.server.openai_api.render import check_tools, parse_tool_calls, render_chat
+from tinkerless.server.openai_api.render import check_tools, parse_tool_calls, render_chat, template_messages
 from tinkerless.server.openai_api.router import error_body, openai_router
 
 __all__ = [
     "CompletionBackend", "OpenAIError", "SampledChoice", "TokenSampling", "check_tools", "error_body",
-    "openai_router", "parse_tool_calls", "render_chat", "unknown_model",
+    "openai_router", "parse_tool_calls", "render_chat", "template_messages", "unknown_model",
 ]

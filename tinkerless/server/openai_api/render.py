@@ -160,12 +160,16 @@ def normalize_messages(messages: Any, *, template_tools: bool) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer, messages: Any, tools: list[Any] | None = None) -> list[int]:
-    """The prompt token ids of `messages` (+ `tools`) with the generation prompt, as the model's template writes them."""
+def template_messages(tokenizer, messages: Any, tools: list[Any] | None = None) -> tuple[list[dict], list[dict] | None]:
+    """(the messages the chat template is given, the tools it is given) for an OpenAI request.
+
+    The one step between an agent's messages and the template: `render_chat` tokenizes its result, and
+    anything that must equal what the router renders (SFT demonstrations of an agent's calls) uses it too.
+    Without template tool support the tools come back as None, described in the system message instead.
+    """
     checked = check_tools(tools)
     template_tools = bool(checked) and template_supports_tools(tokenizer)
     rendered = normalize_messages(messages, template_tools=template_tools)
-    fmt = chat_format(tokenizer)
     if checked and not template_tools:  # ToolEnv's description, in (or as) the system message
         description = describe_tools([Tool(t["function"]["name"], t["function"]["description"],
                                            t["function"]["parameters"], fn=None) for t in checked])
@@ -173,17 +177,25 @@ def render_chat(tokenizer, messages: Any, tools: list[Any] | None = None) -> lis
             rendered[0] = {"role": "system", "content": f"{rendered[0]['content']}\n\n{description}"}
         else:
             rendered.insert(0, {"role": "system", "content": description})
+    return rendered, (checked if template_tools else None)
+
+
+def render_chat(tokenizer, messages: Any, tools: list[Any] | None = None) -> list[int]:
+    """The prompt token ids of `messages` (+ `tools`) with the generation prompt, as the model's template writes them."""
+    rendered, template_tools = template_messages(tokenizer, messages, tools)
+    has_tools = bool(tools)  # checked by template_messages: a non-empty list of function tools
+    fmt = chat_format(tokenizer)
     if not fmt.has_template:
         return fmt.prompt_tokens(rendered)
     try:
         text = tokenizer.apply_chat_template(
-            rendered, tools=checked if template_tools else None, add_generation_prompt=True, tokenize=False
+            rendered, tools=template_tools, add_generation_prompt=True, tokenize=False
         )
     except Exception as exc:  # a template error is about what the caller sent (roles, order, schemas)
         raise OpenAIError(
-            f"the model's chat template cannot render these messages{' and tools' if checked else ''}: "
+            f"the model's chat template cannot render these messages{' and tools' if has_tools else ''}: "
             f"{type(exc).__name__}: {str(exc)[:300]}",
-            param="tools" if checked else "messages", code="unrenderable_request",
+            param="tools" if has_tools else "messages", code="unrenderable_request",
             hint="check the message roles and order and the tool schemas this model's template expects",
         ) from None
     return fmt.encode(text)
