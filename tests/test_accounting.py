@@ -194,8 +194,12 @@ def test_local_run_records_seconds_per_phase_and_function(local_run):
     _check_summary(usage, device="cpu", price_per_hour=7.2, calls=calls)
     assert usage["measured_by"] == "the in-process worker" and usage["client_timed_calls"] == 0
     _check_last_line_total(records[-1], usage)
-    # the meter of the (fresh) backend saw exactly this run's calls
-    assert backend.usage.seconds() == pytest.approx({m: f["seconds"] for m, f in usage["by_function"].items()})
+    # the meter of the (fresh) backend saw exactly this run's calls, plus the one that frees the
+    # run's policy after its usage was written
+    metered = backend.usage.seconds()
+    assert backend.usage.calls()["delete_policy"] == 1
+    metered.pop("delete_policy")
+    assert metered == pytest.approx({m: f["seconds"] for m, f in usage["by_function"].items()})
 
 
 def test_price_override_changes_the_cost(local_run):
@@ -270,9 +274,12 @@ def test_http_run_bills_the_seconds_the_server_reports(tiny_model, tmp_path):
     calls = {"info": 1, "create_policy": 1, "rollout": 2, "forward": 2, "update": 2, "save_checkpoint": 2}
     _check_summary(usage, device="cpu", price_per_hour=0.0, calls=calls)  # device from the worker's info reply
     assert usage["measured_by"].startswith("the server") and usage["client_timed_calls"] == 0
+    # The run frees its policy once its usage is written: that last call is the server's, not the run's.
+    # what the client's meter holds is exactly what the server said in its headers, that call included
+    assert backend.usage.seconds() == pytest.approx({m: sum(v) for m, v in sent.items()}, abs=1e-9)
+    assert len(sent.pop("delete_policy")) == 1
     # what was billed per function is exactly what the server said in its headers
     assert {m: len(v) for m, v in sent.items()} == calls
-    assert backend.usage.seconds() == pytest.approx({m: sum(v) for m, v in sent.items()}, abs=1e-9)
     assert {m: f["seconds"] for m, f in usage["by_function"].items()} == pytest.approx(
         {m: sum(v) for m, v in sent.items()}, abs=1e-9
     )
