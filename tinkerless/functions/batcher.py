@@ -189,8 +189,12 @@ class Batcher:
             # peft honours adapter_names only with adapters enabled (after a base-model forward they are off):
             # activating one of the batch's adapters enables them (once: a switch to the active one is skipped).
             context = engine.activate_policy(next(p for p, name in zip(policies, names) if name != BASE_ADAPTER))
+        # Only the last position's logits. A prefill's last column as a slice is a strided view, for which
+        # torch's linear expands the LM head's weight per row (bmm): an index tensor gathers it contiguous first.
+        width = inputs["input_ids"].shape[1]
+        keep = 1 if width == 1 else torch.tensor([width - 1], device=inputs["input_ids"].device)
         with context:
-            out = engine.model(**inputs, use_cache=True, logits_to_keep=1, **kwargs)
+            out = engine.model(**inputs, use_cache=True, logits_to_keep=keep, **kwargs)
         self.steps += 1
         self.widest = max(self.widest, inputs["input_ids"].shape[0])
         return out
