@@ -130,3 +130,25 @@ def test_a_batch_decodes_into_the_room_its_prefill_allocated(worker):
     assert len(buffers) == 1
     assert [g.tokens for g in job.results()] == [g.tokens for g in want]
     assert [g.logprobs for g in job.results()] == [g.logprobs for g in want]
+
+
+def test_a_batch_with_more_tokens_than_its_reserve_grows_and_draws_the_same(worker, monkeypatch):
+    """Room is capped (a chat call's large max_tokens is not preallocated): past it the cache doubles, same tokens."""
+    from tinkerless.functions import batcher as batcher_module
+
+    engine = worker.engine
+    prompts = [[5, 6, 7], list(range(30, 45))]
+    sampling = SamplingParams(max_tokens=12, temperature=1.0, stop_token_ids=[])
+    want = engine.generate(prompts, sampling, policy=None, seed=4)
+    monkeypatch.setattr(batcher_module, "MAX_RESERVE", 2)
+    job = engine.start(prompts, sampling, seed=4)
+    engine.batcher._waiting.append(batcher_module._Member(job, None, job.prompt_width + sampling.max_tokens))
+    capacities = []
+    with torch.no_grad():
+        while not job.done:
+            engine.batcher.step()
+            if engine.batcher._running is not None:
+                capacities.append(engine.batcher._running.cache.layers[0].capacity)
+    assert capacities[0] == 15 + 2 and max(capacities) > capacities[0]
+    assert [g.tokens for g in job.results()] == [g.tokens for g in want]
+    assert [g.logprobs for g in job.results()] == [g.logprobs for g in want]

@@ -396,9 +396,15 @@ class _SoloEngine:
         return policy or BASE_ADAPTER
 
 
+# Room a batch's KV cache is allocated with beyond its prompt, at most (positions): enough for an RL turn's
+# max_tokens; a chat call's large max_tokens (usually not reached) grows by doubling instead of preallocating.
+MAX_RESERVE = 256
+
+
 def _reserve(members: list[_Member]) -> int:
-    """Positions a KV cache of these members' rows may still grow by (their longest max_tokens): room to allocate."""
-    return max((m.job.sampling.max_tokens for m in members), default=0)
+    """Positions to allocate a KV cache of these members' rows with, beyond what it holds: their longest
+    max_tokens (the most it may grow by), up to MAX_RESERVE."""
+    return min(max((m.job.sampling.max_tokens for m in members), default=0), MAX_RESERVE)
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
