@@ -159,7 +159,7 @@ def test_sampled_tokens_and_logprobs_match_sdpa_with_and_without_lora(tiny_model
         assert_same_generations(worker, policy, seed=11)
 
 
-def test_models_without_grouped_query_heads_are_left_alone(tiny_model):
+def test_models_without_grouped_query_heads_are_left_alone():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
