@@ -164,7 +164,8 @@ def compare_rollouts(args: argparse.Namespace) -> None:
         runs[name] = RolloutOnly(config, worker)
     seen: dict[tuple[str, bool], list[float]] = {}
     for round_index in range(args.compare_rollouts + 1):
-        for name, cache in ((SINGLE_TURN, True), ("guess_number", False), ("guess_number", True)):
+        modes = ((SINGLE_TURN, True),) + ((("guess_number", False),) if args.uncached else ()) + (("guess_number", True),)
+        for name, cache in modes:
             worker.engine.sessions.enabled = cache
             result = runs[name].step(round_index)
             if round_index:
@@ -193,6 +194,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=list(EXAMPLES), help="examples to run (names as printed)")
     parser.add_argument("--compare-rollouts", type=int, metavar="ROUNDS",
                         help="only rollouts: the main job's and guess_number's (cache off, on) in turn, ROUNDS rounds, one process")
+    parser.add_argument("--no-uncached", dest="uncached", action="store_false",
+                        help="with --compare-rollouts: skip guess_number with the cache off (only the main job's and cached)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="interleaved", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from tinkerless.functions.kv_cache import KVSession, length_buckets, row_layers
+from tinkerless.functions.kv_cache import KVSession, growing_cache, length_buckets, row_layers, stack_left_padded
 from tinkerless.functions.slicing import join_due, slice_due, yield_slice
 from tinkerless.wire.messages import SamplingParams
 
@@ -76,9 +76,10 @@ class _Block:
     def extend(self, other: _Block) -> None:
         """Append `other`'s rows; the shorter KV cache is left-padded (masked: it counts for no row)."""
         width = max(self.attention.shape[1], other.attention.shape[1])
+        capacity = width - 1 + _reserve(self.members + other.members)  # one copy into buffers with room to decode
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, width - 1, -2), _left_pad(theirs.keys, width - 1, -2)])
-            mine.values = torch.cat([_left_pad(mine.values, width - 1, -2), _left_pad(theirs.values, width - 1, -2)])
+            mine.adopt(stack_left_padded([mine.keys, theirs.keys], width - 1, capacity),
+                       stack_left_padded([mine.values, theirs.values], width - 1, capacity), width - 1)
         self.attention = torch.cat([_left_pad(self.attention, width, -1), _left_pad(other.attention, width, -1)])
         self.input = torch.cat([self.input, other.input])
         self.positions = torch.cat([self.positions, other.positions])
@@ -196,8 +197,12 @@ class Batcher:
             # peft honours adapter_names only with adapters enabled (after a base-model forward they are off):
             # activating one of the batch's adapters enables them (once: a switch to the active one is skipped).
             context = engine.activate_policy(next(p for p, name in zip(policies, names) if name != BASE_ADAPTER))
+        # Only the last position's logits. A prefill's last column as a slice is a strided view, for which
+        # torch's linear expands the LM head's weight per row (bmm): an index tensor gathers it contiguous first.
+        width = inputs["input_ids"].shape[1]
+        keep = 1 if width == 1 else torch.tensor([width - 1], device=inputs["input_ids"].device)
         with context:
-            out = engine.model(**inputs, use_cache=True, logits_to_keep=1, **kwargs)
+            out = engine.model(**inputs, use_cache=True, logits_to_keep=keep, **kwargs)
         self.steps += 1
         self.widest = max(self.widest, inputs["input_ids"].shape[0])
         return out
@@ -246,20 +251,19 @@ class Batcher:
             attention[i, past - cached : past] = 1
             attention[i, past + width - len(suffix):] = 1
             positions[i, width - len(suffix):] = torch.arange(cached, cached + len(suffix))
-        cache = DynamicCache()
-        if past:  # the kept caches, left-padded to the longest; zeros for rows without one (all masked)
+        reserve = _reserve([m for m, _ in rows])
+        cache = growing_cache(reserve=reserve)  # decode steps write into room allocated now, not a torch.cat per token
+        if past:  # the kept caches, copied once into the batch's buffers, left-padded to the longest (zeros: masked)
             template = next(row.start.layers for _, row in rows if row.start is not None)
+            capacity = past + width + reserve
 
-            def padded(row: _Row, layer: int, which: int) -> torch.Tensor:
-                if row.start is None:
-                    like = template[layer][which]
-                    return like.new_zeros((like.shape[0], past, like.shape[2]))
-                return _left_pad(row.start.layers[layer][which], past, -2)
+            def stacked(layer: int, which: int) -> torch.Tensor:
+                like = template[layer][which]
+                empty = like.new_empty((1, like.shape[0], 0, like.shape[2]))  # a row without a kept cache: all padding
+                return stack_left_padded([row.start.layers[layer][which][None] if row.start is not None else empty
+                                          for _, row in rows], past, capacity)
 
-            cache = DynamicCache(ddp_cache_data=[
-                (torch.stack([padded(row, layer, 0) for _, row in rows]), torch.stack([padded(row, layer, 1) for _, row in rows]))
-                for layer in range(len(template))
-            ])
+            cache = growing_cache([(stacked(layer, 0), stacked(layer, 1)) for layer in range(len(template))], past)
         for _, row in rows:
             row.start = None  # the keys/values now live in the batch
         real = sum(len(row.to_prefill) for _, row in rows)
@@ -358,8 +362,9 @@ def _assemble(parts: list[tuple[_Block, torch.Tensor]], groups: list[list[int]],
     attention = first.attention.new_zeros((count, width))
     positions = first.positions.new_zeros((count, 1))
     logits = first_logits.new_empty((count, first_logits.shape[1]))
-    layers = [(layer.keys.new_zeros((count, layer.keys.shape[1], width, layer.keys.shape[3])),
-               layer.values.new_zeros((count, layer.values.shape[1], width, layer.values.shape[3])))
+    capacity = width + max(layer.capacity - layer.length for block, _ in parts for layer in block.cache.layers[:1])
+    layers = [(layer.keys.new_empty((count, layer.keys.shape[1], capacity, layer.keys.shape[3])),
+               layer.values.new_empty((count, layer.values.shape[1], capacity, layer.values.shape[3])))
               for layer in first.cache.layers]
     for (block, part_logits), group in zip(parts, groups):
         index = torch.tensor(group, device=device)
@@ -368,17 +373,20 @@ def _assemble(parts: list[tuple[_Block, torch.Tensor]], groups: list[list[int]],
         positions[index] = block.positions[:, -1:]
         logits[index] = part_logits
         for (keys, values), layer in zip(layers, block.cache.layers):
-            keys[index, :, width - own :] = layer.keys
-            values[index, :, width - own :] = layer.values
-    block = _Block([], DynamicCache(ddp_cache_data=layers), first.input.new_zeros((count, 1)), attention, positions)
+            keys[index, :, : width - own] = 0  # padding: masked, but must be finite
+            values[index, :, : width - own] = 0
+            keys[index, :, width - own : width] = layer.keys
+            values[index, :, width - own : width] = layer.values
+    block = _Block([], growing_cache(layers, width), first.input.new_zeros((count, 1)), attention, positions)
     return block, logits
 
 
 def _replicate(block: _Block, logits: torch.Tensor, source: list[int]) -> tuple[_Block, torch.Tensor]:
     """The block with row i a copy of row source[i] (rows that share one prefill)."""
     index = torch.tensor(source, device=logits.device)
-    layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in block.cache.layers]
-    block = _Block([], DynamicCache(ddp_cache_data=layers), block.input[index], block.attention[index], block.positions[index])
+    cache = block.cache
+    cache.batch_select_indices(index)  # GrowingLayer: the copies keep their room to decode into
+    block = _Block([], cache, block.input[index], block.attention[index], block.positions[index])
     return block, logits[index]
 
 
@@ -406,6 +414,17 @@ class _SoloEngine:
 
     def adapter_name(self, policy):
         return policy or BASE_ADAPTER
+
+
+# Room a batch's KV cache is allocated with beyond its prompt, at most (positions): enough for an RL turn's
+# max_tokens; a chat call's large max_tokens (usually not reached) grows by doubling instead of preallocating.
+MAX_RESERVE = 256
+
+
+def _reserve(members: list[_Member]) -> int:
+    """Positions to allocate a KV cache of these members' rows with, beyond what it holds: their longest
+    max_tokens (the most it may grow by), up to MAX_RESERVE."""
+    return min(max((m.job.sampling.max_tokens for m in members), default=0), MAX_RESERVE)
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:

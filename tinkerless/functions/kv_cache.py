@@ -21,6 +21,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 # What the kept caches of one engine may hold together; more falls back to full prefill (~23k positions of SmolLM2 in fp32).
 DEFAULT_MAX_SESSION_BYTES = 1 << 30
@@ -112,6 +114,111 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     if a[:n] == b[:n]:  # the usual case (the new prompt extends the old one), compared in C
         return n
     return next(i for i in range(n) if a[i] != b[i])
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values live in a preallocated buffer, written in place.
+
+    transformers' DynamicLayer appends each decoded token with `torch.cat` of the whole cache, a copy of
+    every layer's keys and values per token. Here they live at the front of a buffer with room to spare
+    (`capacity` positions, doubled when full), `keys`/`values` are views of the filled part, and a decode
+    step writes only its own position. Assigning `keys`/`values` (as DynamicLayer's own methods and the
+    batcher's merges do) adopts the new tensors as the buffer, to grow again when needed.
+    """
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None, length: int | None = None,
+                 reserve: int = 0):
+        self._keys = self._values = None
+        self.length = 0
+        self.reserve = reserve  # spare positions to allocate beyond the first update's
+        super().__init__()  # sets keys/values to None, through the setters
+        if keys is not None:
+            self.adopt(keys, values, keys.shape[-2] if length is None else length)
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Use `keys`/`values` (batch, kv_heads, capacity, head_dim) as the buffers, their first `length` positions filled."""
+        self._keys, self._values, self.length = keys, values, length
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._keys = tensor
+        self.length = 0 if tensor is None or tensor.dim() < 3 else tensor.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._values[:, :, : self.length]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._values = tensor
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None or self._keys.dim() < 3 else self._keys.shape[-2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self._grow(max(end + (self.reserve if not self.length else 0), 2 * self.capacity), key_states)
+        self._keys[:, :, self.length : end].copy_(key_states)
+        self._values[:, :, self.length : end].copy_(value_states)
+        self.length = end
+        return self.keys, self.values
+
+    def _grow(self, capacity: int, like: torch.Tensor) -> None:
+        """New buffers of `capacity` positions holding the filled part (one copy, amortized over the doubling)."""
+        shape = (*like.shape[:2], capacity, like.shape[-1])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        if self.length:
+            keys[:, :, : self.length].copy_(self.keys)
+            values[:, :, : self.length].copy_(self.values)
+        length = self.length
+        self.adopt(keys, values, length)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices` (repeats allowed), with their room to decode into: one copy of the buffers."""
+        if self.length:
+            self.adopt(self._keys.index_select(0, indices), self._values.index_select(0, indices), self.length)
+
+
+def stack_left_padded(tensors: list[torch.Tensor], width: int, capacity: int) -> torch.Tensor:
+    """`tensors` (rows, kv_heads, positions, head_dim) stacked by rows into one new buffer of `capacity` positions,
+    each right-aligned at position `width`; the left padding is zeros (masked positions, but they must be finite:
+    a masked NaN would still poison the attention's weighted sum)."""
+    first = tensors[0]
+    buffer = first.new_empty((sum(t.shape[0] for t in tensors), first.shape[1], capacity, first.shape[3]))
+    start = 0
+    for tensor in tensors:
+        end, filled = start + tensor.shape[0], tensor.shape[2]
+        buffer[start:end, :, : width - filled].zero_()
+        buffer[start:end, :, width - filled : width].copy_(tensor)
+        start = end
+    return buffer
+
+
+def growing_cache(layers: Layers | None = None, length: int | None = None, reserve: int = 0) -> DynamicCache:
+    """A DynamicCache of GrowingLayers: over `layers` (per layer, key and value buffers whose first `length`
+    positions are filled; all of them by default), or empty, each layer reserving `reserve` spare positions
+    beyond its first update (the tokens the batch will decode)."""
+    cache = DynamicCache()
+    if layers is None:
+        cache.layer_class_to_replicate = lambda: GrowingLayer(reserve=reserve)
+    else:
+        cache.layers = [GrowingLayer(k, v, length) for k, v in layers]
+    return cache
 
 
 def row_layers(layers, row: int, mask: torch.Tensor) -> Layers:
