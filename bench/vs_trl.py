@@ -149,7 +149,17 @@ def run_trl(args) -> dict:
 
 
 def trl_python(venv: Path) -> str:
-    """The TRL venv's interpreter, creating the venv on first use (PyPI: trl and what it adds)."""
+    """The TRL venv's interpreter, creating the venv on first use (PyPI: trl and what it adds).
+
+    Where this interpreter already has TRL at that version (a GPU machine with no package index, where
+    the wheels were installed beside the project's), it runs both sides."""
+    try:
+        import trl
+
+        if trl.__version__ == TRL_VERSION:
+            return sys.executable
+    except ImportError:
+        pass
     python = venv / "bin" / "python"
     try:
         subprocess.run([str(python), "-c", f"import trl; assert trl.__version__ == {TRL_VERSION!r}"], check=True, capture_output=True)
@@ -281,7 +291,7 @@ def main() -> None:
     pythons = {"tinkerless": sys.executable}
     if "trl" in sides:
         pythons["trl"] = trl_python(Path(args.trl_venv))
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true"}  # fmt: skip
     runs = []
     index = 0
@@ -304,9 +314,15 @@ def main() -> None:
     summary = summarize(runs)
     summary.update(model=args.model, steps=args.steps, rounds=args.rounds, threads=args.threads, machine=machine())
     (out / "summary.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
-    plot(runs, out / "vs_trl.png", f"{args.model}: TRL GRPOTrainer vs tinkerless (8x4, 12 tokens, CPU)")
+    plot(runs, out / "vs_trl.png", f"{args.model}: TRL GRPOTrainer vs tinkerless (8x4, 12 tokens, {device_label()})")
     print(json.dumps(summary, indent=1))
     print(f"plot: {out / 'vs_trl.png'}")
+
+
+def device_label() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
 
 
 def machine() -> str:
@@ -317,7 +333,7 @@ def machine() -> str:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end"
+    return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, {device_label()}, load average {os.getloadavg()[0]:.1f} at the end"
 
 
 if __name__ == "__main__":
