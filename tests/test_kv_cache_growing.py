@@ -86,7 +86,7 @@ def test_stack_left_padded_aligns_rows_and_zeroes_the_padding():
 def test_growing_cache_decodes_like_transformers_cache(worker):
     """A padded prefill and cached decode steps give the same logits with either cache, on the model itself."""
     model = worker.base_model
-    ids = torch.randint(0, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0)).to(model.device)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     mask[2, :5] = 0

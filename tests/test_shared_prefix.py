@@ -78,7 +78,7 @@ def test_shared_prompts_give_the_full_batch_loss_gradients_and_logprobs(lora_wor
     for datum, got, want in zip(data, logprobs, expected_logprobs):
         on = datum.mask > 0
         assert got.shape == (len(datum.tokens),)
-        np.testing.assert_allclose(got[on], want[: len(datum.tokens)].numpy()[on], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got[on], want[: len(datum.tokens)].cpu().numpy()[on], rtol=1e-4, atol=1e-5)
 
 
 def test_shared_path_equals_the_plain_path(lora_worker, monkeypatch):  # noqa: F811

@@ -36,7 +36,7 @@ def lora_worker(tiny_model):
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in worker.policies["default"].params:
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+            p.add_(0.05 * torch.randn(p.shape, generator=generator).to(p.device))
     return worker
 
 
@@ -59,7 +59,7 @@ def episodes(seed: int = 0) -> list[Datum]:
 
 def reference(model, data: list[Datum], config: LossConfig, pad_id: int):
     """Loss, metrics, grads and per-datum log-probs of one masked full-batch pass with eager attention."""
-    batch = training.make_batch(data, pad_id, torch.device("cpu"))
+    batch = training.make_batch(data, pad_id, model.device)
     previous = model.config._attn_implementation
     model.config._attn_implementation = "eager"
     try:
@@ -68,7 +68,7 @@ def reference(model, data: list[Datum], config: LossConfig, pad_id: int):
         model.config._attn_implementation = previous
     logp = torch.log_softmax(logits[:, :-1], dim=-1)
     picked = torch.gather(logp, 2, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    logprobs = torch.cat([torch.zeros(len(data), 1), picked], dim=1)
+    logprobs = torch.cat([torch.zeros(len(data), 1, device=picked.device), picked], dim=1)
     loss, metrics = compute_loss(
         config,
         logprobs,
@@ -126,13 +126,13 @@ def test_lean_path_matches_a_full_masked_batch(lora_worker, monkeypatch, config,
     for datum, got, want in zip(data, logprobs, expected_logprobs):
         on = datum.mask > 0
         assert got.shape == (len(datum.tokens),)
-        np.testing.assert_allclose(got[on], want[: len(datum.tokens)].numpy()[on], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got[on], want[: len(datum.tokens)].cpu().numpy()[on], rtol=1e-4, atol=1e-5)
 
 
 def test_forward_matches_the_masked_batch_at_every_position(lora_worker, monkeypatch):
     monkeypatch.setenv("TINKERLESS_ACTIVATION_MB", "0.2")  # several micro-batches, reordered by length
     data = episodes(1)
-    batch = training.make_batch(data, lora_worker.pad_id, torch.device("cpu"))
+    batch = training.make_batch(data, lora_worker.pad_id, lora_worker.model.device)
     with torch.no_grad():
         logits = lora_worker.model(input_ids=batch.input_ids, attention_mask=batch.attention).logits.float()
         picked = torch.gather(torch.log_softmax(logits[:, :-1], -1), 2, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -140,7 +140,7 @@ def test_forward_matches_the_masked_batch_at_every_position(lora_worker, monkeyp
     for row, (datum, values) in enumerate(zip(data, got)):
         n = len(datum.tokens)
         assert values.shape == (n,) and values[0] == 0.0
-        np.testing.assert_allclose(values[1:], picked[row, : n - 1].numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(values[1:], picked[row, : n - 1].cpu().numpy(), rtol=1e-4, atol=1e-5)
 
 
 def test_tis_from_the_current_pass_equals_a_separate_forward(lora_worker):
@@ -209,7 +209,7 @@ def test_recompute_keeps_dropout_off_and_restores_the_layers(tiny_model):
     with torch.no_grad():
         for p in worker.policies["default"].params:
             p.add_(0.1 * torch.randn_like(p))
-    ids = torch.arange(40).reshape(2, 20)
+    ids = torch.arange(40, device=worker.model.device).reshape(2, 20)
     plain = worker.model(input_ids=ids).logits
     flags_before = {name: m.training for name, m in worker.model.named_modules()}
     with recompute_in_backward(worker.model):
