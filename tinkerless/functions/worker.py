@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from tinkerless.errors import ConfigError, ProtocolError, TinkerlessError, UserError
-from tinkerless.functions import training
+from tinkerless.functions import lora_inference, training
 from tinkerless.functions.agent_loop import TokenCounts, run_episodes
 from tinkerless.functions.rollout_clock import TimedEngine, rollout_clock
 from tinkerless.functions.chat import ChatFormat
@@ -244,6 +244,7 @@ class Worker:
             self.model = model
             if isinstance(self.engine, TransformersEngine):
                 self.engine.model = self.model
+        lora_inference.install(self.model)  # the new adapter may have wrapped layers no earlier one did
         params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
         for p in params:
             p.requires_grad_(True)

@@ -1,0 +1,107 @@
+"""The short LoRA sampling path (functions/lora_inference.py) computes exactly what peft's forward does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from peft.tuners.lora.layer import Linear as LoraLinear
+
+from tinkerless.functions import lora_inference
+from tinkerless.functions.worker import Worker
+from tinkerless.wire.messages import CreatePolicyRequest, LoraConfig, SampleRequest, SamplingParams
+
+
+def _perturbed_worker(tiny_model) -> Worker:
+    worker = Worker(tiny_model)
+    worker.create_policy(CreatePolicyRequest("pa", LoraConfig(rank=4, seed=1)))
+    worker.create_policy(CreatePolicyRequest("pb", LoraConfig(rank=8, seed=2, target_modules=["q_proj", "v_proj"])))
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # lora_B starts at zero: move it so the adapters change the outputs
+        for name in ("pa", "pb"):
+            for p in worker.policies[name].params:
+                p.add_(0.2 * torch.randn(p.shape, generator=generator).to(p.device))
+    return worker
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model):
+    return _perturbed_worker(tiny_model)
+
+
+def _lora_layers(model):
+    return [m for m in model.modules() if type(m) is LoraLinear]
+
+
+def _peft_logits(model, ids):
+    """The model's logits with every LoRA layer on peft's own forward."""
+    layers = _lora_layers(model)
+    saved = [layer.__dict__.pop("forward") for layer in layers]
+    try:
+        return model(input_ids=ids).logits
+    finally:
+        for layer, forward in zip(layers, saved):
+            layer.forward = forward
+
+
+def test_every_lora_layer_gets_the_short_path(worker):
+    layers = _lora_layers(worker.model)
+    assert layers and all("forward" in layer.__dict__ for layer in layers)
+    assert lora_inference.install(worker.model) == 0  # idempotent
+
+
+@pytest.mark.parametrize("policy", ["pa", "pb", None])
+def test_sampling_forward_is_bit_identical_to_peft(worker, policy):
+    ids = torch.randint(0, worker.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0)).to(worker.device)
+    with torch.no_grad(), worker._activate(policy):
+        mine = worker.model(input_ids=ids).logits
+        theirs = _peft_logits(worker.model, ids)
+        with worker._activate(None):
+            base = worker.model(input_ids=ids).logits
+    assert torch.equal(mine, theirs)
+    if policy is not None:
+        assert not torch.equal(mine, base)  # the adapter really acts on this path
+
+
+def test_gradients_mixed_batches_and_other_cases_go_to_peft(worker, monkeypatch):
+    calls = []
+    real = LoraLinear.forward
+
+    def counting(self, x, *args, **kwargs):
+        calls.append(kwargs.get("adapter_names") is not None)
+        return real(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(LoraLinear, "forward", counting)
+    ids = torch.randint(0, worker.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).to(worker.device)
+    with worker._activate("pa"):
+        with torch.no_grad():
+            worker.model(input_ids=ids)
+        assert calls == []  # the short path took every layer
+        with torch.enable_grad():
+            worker.model(input_ids=ids).logits.sum().backward()
+        worker.model.zero_grad(set_to_none=True)
+        assert len(calls) == len(_lora_layers(worker.model)) and not any(calls)
+        calls.clear()
+        with torch.no_grad():
+            worker.model(input_ids=ids, adapter_names=["pa", "pb"])
+        assert calls and all(calls)  # a mixed-adapter batch: peft's per-row path
+        calls.clear()
+        with torch.no_grad():
+            worker.model(input_ids=ids.to(torch.long), attention_mask=torch.ones_like(ids))
+        assert calls == []
+
+
+def test_samples_match_with_the_short_path_off(tiny_model, worker, monkeypatch):
+    """Tokens and sampler log-probs of a seeded batch are those of peft's own path (the switch off)."""
+    request = SampleRequest(
+        policy="pa", prompts=[[5, 9, 12, 7], [3, 4]], num_samples=2, seed=11,
+        sampling=SamplingParams(max_tokens=6, temperature=1.0, stop_token_ids=[]),
+    )  # fmt: skip
+    mine = [s for group in worker.sample(request).sequences for s in group]
+    monkeypatch.setenv("TINKERLESS_LEAN_LORA", "0")
+    plain = _perturbed_worker(tiny_model)
+    assert not any("forward" in layer.__dict__ for layer in _lora_layers(plain.model))
+    theirs = [s for group in plain.sample(request).sequences for s in group]
+    assert [s.tokens for s in mine] == [s.tokens for s in theirs]
+    for a, b in zip(mine, theirs):
+        np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
