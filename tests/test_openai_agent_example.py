@@ -36,7 +36,7 @@ class ReplayEngine:
         self.demonstrations, self.end_of_turn = demonstrations, end_of_turn
         self.mismatches: list[list[int]] = []
 
-    def generate(self, prompts, sampling, *, policy, seed, sessions=None):
+    def generate(self, prompts, sampling, *, policy, seed, sessions=None, row_seeds=None):
         out = []
         for prompt in prompts:
             tokens = next((d for d in self.demonstrations if d[: len(prompt)] == prompt), None)

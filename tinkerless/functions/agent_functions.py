@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tinkerless.functions.engine import Engine
+from tinkerless.functions.engine import Engine, row_seed
 from tinkerless.functions.recording import EpisodeRecorder, Sequence
 from tinkerless.functions.agent_host import play_copy
 from tinkerless.server.openai_api.backend import OpenAIError, SampledChoice, TokenSampling
@@ -78,8 +78,10 @@ class PolicyBackend:
         self.engine, self._tokenizer, self.policy = engine, tokenizer, policy
         self.sampling, self.limits, self.copies, self.executor = sampling, limits, copies, executor
         self.calls = 0  # every call sampled in this rollout (a statistic)
-        self.gather = _Gather(lambda prompts, sampling, seed: engine.generate(prompts, sampling, policy=policy, seed=seed),
-                              executor, live=len(copies))
+        self.gather = _Gather(
+            lambda prompts, sampling, seeds: engine.generate(prompts, sampling, policy=policy, seed=seeds[0], row_seeds=seeds),
+            executor, live=len(copies),
+        )
 
     def tokenizer(self) -> Any:
         return self._tokenizer
@@ -174,12 +176,16 @@ class _Gather:
         groups: dict[tuple, list] = {}
         for item in pending:  # one generate call takes one SamplingParams
             sampling = item[1]
-            groups.setdefault((sampling.max_tokens, tuple(sampling.stop_token_ids or ())), []).append(item)
+            key = (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
+                   None if sampling.stop_token_ids is None else tuple(sampling.stop_token_ids))
+            groups.setdefault(key, []).append(item)
         loop = asyncio.get_running_loop()
         for items in groups.values():
             self.flushes += 1
-            prompts, seed = [p for p, *_ in items], items[0][2]  # row i draws from (seed, i)
-            job = loop.run_in_executor(self.executor, self.generate_many, prompts, items[0][1], seed)
+            # Each call's row draws from its own seed, exactly as it would alone (row 0 of a call seeded with it):
+            # which calls happen to be gathered together, and in what order, changes nothing they sample.
+            prompts, seeds = [p for p, *_ in items], [row_seed(seed, 0) for _, _, seed, _ in items]
+            job = loop.run_in_executor(self.executor, self.generate_many, prompts, items[0][1], seeds)
             job.add_done_callback(lambda done, items=items: _deliver(done, [f for *_, f in items]))
 
 

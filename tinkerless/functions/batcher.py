@@ -119,13 +119,17 @@ class Batcher:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
         sessions: list[KVSession] | None = None, stream: TokenStream | None = None, top_logprobs: int = 0,
+        row_seeds: list[int] | None = None,
     ) -> list[Generation]:
         engine = self.engine
         if sessions is not None and len(sessions) != len(prompts):
             raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts")
+        if row_seeds is not None and len(row_seeds) != len(prompts):
+            raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts")
         jobs = [engine.start(prompts[start:end], sampling, seed=seed, first_index=start, policy=policy,
                              sessions=sessions[start:end] if sessions is not None else None,
-                             stream=stream, top_logprobs=top_logprobs)
+                             stream=stream, top_logprobs=top_logprobs,
+                             row_seeds=row_seeds[start:end] if row_seeds is not None else None)
                 for start, end in engine.batches(prompts, sampling.max_tokens)]
         with self._lock:
             self._waiting.extend(_Member(job, policy, job.prompt_width + sampling.max_tokens)

@@ -60,12 +60,14 @@ class Engine(Protocol):
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
-        sessions: list[KVSession] | None = None,
+        sessions: list[KVSession] | None = None, row_seeds: list[int] | None = None,
     ) -> list[Generation]:
         """Sample one continuation per prompt (repeat a prompt for several samples).
 
         `sessions` (one per prompt): the conversations the prompts continue, whose KV caches an engine
         may keep between calls (`kv_cache`); an engine without that (vLLM caches prefixes itself) ignores them.
+        Row i draws from `row_seed(seed, i)`, or from `row_seeds[i]` when given: calls gathered into one
+        batch keep the draws each would make alone.
         """
         ...
 
@@ -141,6 +143,7 @@ class GenerationJob:
         weights: object = None,
         stream: TokenStream | None = None,
         top_logprobs: int = 0,
+        row_seeds: list[int] | None = None,
     ):
         if any(not prompt for prompt in prompts):
             raise UserError("a prompt to sample from is empty", hint="send at least one token per prompt")
@@ -152,8 +155,11 @@ class GenerationJob:
         self.store, self.weights = store, weights
         self.stream, self.first_index = stream, first_index  # each recorded token goes to `stream` as it is drawn
         self.top_logprobs = top_logprobs  # k: record the k most likely tokens at each position (0: none)
+        if row_seeds is not None and len(row_seeds) != len(prompts):
+            raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts")
         self.rows = [
-            _Row(torch.Generator(device=device).manual_seed(row_seed(seed, first_index + i)), list(prompt),
+            _Row(torch.Generator(device=device).manual_seed(
+                     row_seeds[i] if row_seeds is not None else row_seed(seed, first_index + i)), list(prompt),
                  session=sessions[i] if sessions is not None and store is not None else None)
             for i, prompt in enumerate(prompts)
         ]
@@ -320,16 +326,17 @@ class TransformersEngine:
     def start(
         self, prompts: list[list[int]], sampling: SamplingParams, *, seed: int, first_index: int = 0,
         sessions: list[KVSession] | None = None, policy: str | None = None,
-        stream: TokenStream | None = None, top_logprobs: int = 0,
+        stream: TokenStream | None = None, top_logprobs: int = 0, row_seeds: list[int] | None = None,
     ) -> GenerationJob:
-        """A job for `prompts`, whose rows are rows first_index.. of a request seeded with `seed`; with
-        `sessions`, rows continue their conversations' kept caches (computed by `policy`'s weights)."""
+        """A job for `prompts`, whose rows are rows first_index.. of a request seeded with `seed` (or seeded
+        with `row_seeds`, one each); with `sessions`, rows continue their conversations' kept caches (computed
+        by `policy`'s weights)."""
         use_sessions = sessions is not None and self.sessions.enabled
         return GenerationJob(prompts, sampling, stop_ids=self.stop_ids(sampling), seed=seed, first_index=first_index,
                              device=self.device, sessions=sessions if use_sessions else None,
                              store=self.sessions if use_sessions else None,
                              weights=self.weights_tag(policy) if use_sessions else None,
-                             stream=stream, top_logprobs=top_logprobs)
+                             stream=stream, top_logprobs=top_logprobs, row_seeds=row_seeds)
 
     def weights_tag(self, policy: str | None) -> object:
         """What identifies the weights `policy` samples with now: its adapter and the storage and in-place
@@ -363,9 +370,11 @@ class TransformersEngine:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
         sessions: list[KVSession] | None = None, stream: TokenStream | None = None, top_logprobs: int = 0,
+        row_seeds: list[int] | None = None,
     ) -> list[Generation]:
         """Sample, in one batch with every other generate call running at the time (`batcher`). With `stream`,
         every token goes to it as it is drawn (and cancelling it ends the rows); with `top_logprobs` k, each token
-        also carries the k most likely tokens of the distribution it was drawn from."""
+        also carries the k most likely tokens of the distribution it was drawn from. Row i draws from
+        `row_seed(seed, i)`, or from `row_seeds[i]` when given (rows gathered from separate calls)."""
         return self.batcher.generate(prompts, sampling, policy=policy, seed=seed, sessions=sessions, stream=stream,
-                                     top_logprobs=top_logprobs)
+                                     top_logprobs=top_logprobs, row_seeds=row_seeds)

@@ -78,7 +78,7 @@ class VLLMEngine:
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
-        sessions: list | None = None,
+        sessions: list | None = None, row_seeds: list[int] | None = None,
     ) -> list[Generation]:
         """`sessions` are ignored: vLLM's prefix cache finds a conversation's earlier turns by their tokens."""
         from vllm import SamplingParams as VSamplingParams
@@ -92,7 +92,7 @@ class VLLMEngine:
                 temperature=0.0 if sampling.temperature < GREEDY_BELOW else sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k if sampling.top_k > 0 else -1,
-                seed=row_seed(seed, index),
+                seed=row_seeds[index] if row_seeds is not None else row_seed(seed, index),
                 logprobs=0,  # the sampled token's log-prob
                 **(
                     {}
