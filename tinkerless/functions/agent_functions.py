@@ -25,7 +25,7 @@ import math
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -175,9 +175,8 @@ class _Gather:
         self._pending = []
         groups: dict[tuple, list] = {}
         for item in pending:  # one generate call takes one SamplingParams
-            sampling = item[1]
-            key = (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-                   None if sampling.stop_token_ids is None else tuple(sampling.stop_token_ids))
+            # Every field of the call's settings (a list made hashable; None, the model's stop tokens, is not []).
+            key = tuple(tuple(v) if isinstance(v, list) else v for v in astuple(item[1]))
             groups.setdefault(key, []).append(item)
         loop = asyncio.get_running_loop()
         for items in groups.values():
