@@ -274,8 +274,8 @@ def test_http_run_bills_the_seconds_the_server_reports(tiny_model, tmp_path):
     calls = {"info": 1, "create_policy": 1, "rollout": 2, "forward": 2, "update": 2, "save_checkpoint": 2}
     _check_summary(usage, device="cpu", price_per_hour=0.0, calls=calls)  # device from the worker's info reply
     assert usage["measured_by"].startswith("the server") and usage["client_timed_calls"] == 0
-    # The run frees its policy once its usage is written: that last call is the server's, not the run's.
-    # what the client's meter holds is exactly what the server said in its headers, that call included
+    # What the client's meter holds is exactly what the server said in its headers, including the one
+    # delete_policy call by which the run frees its policy after its usage was written (not billed to the run).
     assert backend.usage.seconds() == pytest.approx({m: sum(v) for m, v in sent.items()}, abs=1e-9)
     assert len(sent.pop("delete_policy")) == 1
     # what was billed per function is exactly what the server said in its headers
