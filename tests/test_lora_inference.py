@@ -105,3 +105,71 @@ def test_samples_match_with_the_short_path_off(tiny_model, worker, monkeypatch):
     assert [s.tokens for s in mine] == [s.tokens for s in theirs]
     for a, b in zip(mine, theirs):
         np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+
+
+def _assert_matches_peft(worker, policy, seed=3):
+    ids = torch.randint(0, worker.vocab_size, (2, 7), generator=torch.Generator().manual_seed(seed)).to(worker.device)
+    with torch.no_grad(), worker._activate(policy):
+        mine = worker.model(input_ids=ids).logits
+        theirs = _peft_logits(worker.model, ids)
+    assert torch.equal(mine, theirs)
+    return mine
+
+
+def test_the_base_model_takes_the_short_path_too(worker, monkeypatch):
+    """Base rows (every adapter disabled) skip peft's bookkeeping as adapter rows do: the two are compared as equals."""
+    calls = []
+    monkeypatch.setattr(LoraLinear, "forward", lambda self, x, *a, **k: calls.append(1))
+    ids = torch.randint(0, worker.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2)).to(worker.device)
+    with torch.no_grad(), worker._activate(None):
+        worker.model(input_ids=ids)
+    assert calls == []
+
+
+def test_in_place_updates_show_through_and_swapped_storage_rebuilds(tiny_model):
+    """Optimizer steps write the weights in place (the views see them at once); a load may swap a parameter's
+    storage, and peft may rescale: either way the next forward uses the layer's current weights."""
+    worker = _perturbed_worker(tiny_model)
+    before = _assert_matches_peft(worker, "pa")
+    params = worker.policies["pa"].params
+    with torch.no_grad():
+        params[1].add_(0.5)  # in place, as AdamW does
+    after = _assert_matches_peft(worker, "pa")
+    assert not torch.equal(before, after)
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.clone() * 1.5  # a new storage under the same Parameter
+    swapped = _assert_matches_peft(worker, "pa")
+    assert not torch.equal(after, swapped)
+    layer = _lora_layers(worker.model)[0]
+    layer.scaling["pa"] *= 2
+    rescaled = _assert_matches_peft(worker, "pa")
+    assert not torch.equal(swapped, rescaled)
+
+
+def test_a_policy_made_again_under_a_deleted_name_is_not_served_stale_weights(tiny_model):
+    worker = _perturbed_worker(tiny_model)
+    old = _assert_matches_peft(worker, "pb")
+    assert worker.drop_policy("pb")
+    assert all("pb" not in getattr(layer, "_tinkerless_views") for layer in _lora_layers(worker.model))  # freed
+    worker.create_policy(CreatePolicyRequest("pb", LoraConfig(rank=8, seed=5, target_modules=["q_proj", "v_proj"])))
+    with torch.no_grad():
+        for p in worker.policies["pb"].params:
+            p.add_(0.3)
+    new = _assert_matches_peft(worker, "pb")
+    assert not torch.equal(old, new)
+
+
+def test_a_real_dropout_in_training_mode_goes_to_peft(tiny_model):
+    worker = Worker(tiny_model)
+    worker.create_policy(CreatePolicyRequest("dropped", LoraConfig(rank=4, seed=1, dropout=0.5)))
+    layer = _lora_layers(worker.model)[0]
+    x = torch.randn(1, 3, layer.in_features, generator=torch.Generator().manual_seed(0)).to(worker.device)
+    with torch.no_grad(), worker._activate("dropped"):
+        layer.eval()
+        assert lora_inference._views(layer, x, (), {}) is not None  # eval mode: dropout is the identity
+        layer.train()
+        try:
+            assert lora_inference._views(layer, x, (), {}) is None
+        finally:
+            layer.eval()

@@ -288,6 +288,7 @@ class Worker:
             return False
         self._adapters_changed()
         self.model.delete_adapter(name)
+        lora_inference.forget(self.model, name)  # its layers' views would keep the freed weights alive
         del self.policies[name]
         return True
 
