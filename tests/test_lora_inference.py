@@ -1,4 +1,6 @@
-"""The short LoRA sampling path (functions/lora_inference.py) computes exactly what peft's forward does."""
+"""The short LoRA sampling path (functions/lora_inference.py) computes what peft's forward does: base rows
+bit-identical, adapter rows to float rounding (one fused addmm instead of peft's mm, multiply and add),
+deterministically, and always from the layer's current weights."""
 
 from __future__ import annotations
 
@@ -50,17 +52,26 @@ def test_every_lora_layer_gets_the_short_path(worker):
     assert lora_inference.install(worker.model) == 0  # idempotent
 
 
+def _assert_same_outputs(mine: torch.Tensor, theirs: torch.Tensor, policy: str | None) -> None:
+    if policy is None:
+        assert torch.equal(mine, theirs)  # the same BLAS calls on the same operands
+    else:
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("policy", ["pa", "pb", None])
-def test_sampling_forward_is_bit_identical_to_peft(worker, policy):
+def test_sampling_forward_equals_peft(worker, policy):
     ids = torch.randint(0, worker.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0)).to(worker.device)
     with torch.no_grad(), worker._activate(policy):
         mine = worker.model(input_ids=ids).logits
+        again = worker.model(input_ids=ids).logits
         theirs = _peft_logits(worker.model, ids)
         with worker._activate(None):
             base = worker.model(input_ids=ids).logits
-    assert torch.equal(mine, theirs)
+    assert torch.equal(mine, again)  # deterministic
+    _assert_same_outputs(mine, theirs, policy)
     if policy is not None:
-        assert not torch.equal(mine, base)  # the adapter really acts on this path
+        assert (mine - base).abs().max() > 1e-2  # the adapter really acts on this path
 
 
 def test_gradients_mixed_batches_and_other_cases_go_to_peft(worker, monkeypatch):
@@ -104,7 +115,9 @@ def test_samples_match_with_the_short_path_off(tiny_model, worker, monkeypatch):
     theirs = [s for group in plain.sample(request).sequences for s in group]
     assert [s.tokens for s in mine] == [s.tokens for s in theirs]
     for a, b in zip(mine, theirs):
-        np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+        np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), rtol=1e-5, atol=1e-5)
+    again = [s for group in worker.sample(request).sequences for s in group]
+    assert [(s.tokens, list(s.logprobs)) for s in again] == [(s.tokens, list(s.logprobs)) for s in mine]
 
 
 def _assert_matches_peft(worker, policy, seed=3):
@@ -112,7 +125,7 @@ def _assert_matches_peft(worker, policy, seed=3):
     with torch.no_grad(), worker._activate(policy):
         mine = worker.model(input_ids=ids).logits
         theirs = _peft_logits(worker.model, ids)
-    assert torch.equal(mine, theirs)
+    _assert_same_outputs(mine, theirs, policy)
     return mine
 
 
@@ -135,16 +148,16 @@ def test_in_place_updates_show_through_and_swapped_storage_rebuilds(tiny_model):
     with torch.no_grad():
         params[1].add_(0.5)  # in place, as AdamW does
     after = _assert_matches_peft(worker, "pa")
-    assert not torch.equal(before, after)
+    assert (before - after).abs().max() > 1e-3
     with torch.no_grad():
         for p in params:
             p.data = p.data.clone() * 1.5  # a new storage under the same Parameter
     swapped = _assert_matches_peft(worker, "pa")
-    assert not torch.equal(after, swapped)
+    assert (after - swapped).abs().max() > 1e-3
     layer = _lora_layers(worker.model)[0]
     layer.scaling["pa"] *= 2
     rescaled = _assert_matches_peft(worker, "pa")
-    assert not torch.equal(swapped, rescaled)
+    assert (swapped - rescaled).abs().max() > 1e-3
 
 
 def test_a_policy_made_again_under_a_deleted_name_is_not_served_stale_weights(tiny_model):
@@ -157,7 +170,7 @@ def test_a_policy_made_again_under_a_deleted_name_is_not_served_stale_weights(ti
         for p in worker.policies["pb"].params:
             p.add_(0.3)
     new = _assert_matches_peft(worker, "pb")
-    assert not torch.equal(old, new)
+    assert (old - new).abs().max() > 1e-3
 
 
 def test_a_real_dropout_in_training_mode_goes_to_peft(tiny_model):

@@ -1,21 +1,23 @@
 """LoRA layers' forward without peft's per-call bookkeeping, for sampling.
 
 peft's `lora.Linear.forward` serves every case (mixed-adapter batches, DoRA, dtype casts, merged
-weights, several active adapters) and pays for that on every call: argument checks, a loop over the
-active adapters, three submodule calls, each `F.linear` re-transposing its weight, and a scalar
-tensor made for the scaling. A decode step of one row goes through 210 such layers on SmolLM2, where
-that bookkeeping cost more than the rank-16 matmuls themselves: sampling from an adapter ran at ~0.8
-of the base model's tokens/s (BENCHMARKS.md, issue #15).
+weights, several active adapters) and pays for that on every call: property reads, a loop over the
+active adapters, three submodule calls (each `F.linear` transposing its weight again), a multiply
+and an add. A decode step of one row goes through 210 such layers on SmolLM2, where that cost more
+than the rank-16 matmuls themselves: sampling from an adapter ran at ~0.8 of the base model's
+tokens/s (BENCHMARKS.md, issue #15).
 
 `install` gives each LoRA layer a forward that takes a short path in the common sampling case (no
 gradients, at most one active adapter of plain LoRA, matching dtypes, a plain `nn.Linear` base, no
 extra arguments) and calls peft's own forward in every other case. The short path keeps each
 weight's transpose as a view (a view shares its parameter's storage, so optimizer steps and loads,
-which write in place, show through it; a layer whose storage was swapped rebuilds its views), and
-runs the same BLAS calls with the same operands and in the same order as peft, so its outputs are
-bit-identical (tests/test_lora_inference.py). The base model's rows (adapters disabled) take it too:
-the comparison between base and adapter stays between equals. Training never takes it: gradients
-are on there.
+which write in place, show through it; a swapped storage, an adapter made again or a new scaling
+rebuild the views) and computes `x W^T + scaling * (x A^T) B^T` in three BLAS calls. The base
+model's rows (adapters disabled) take it too, so base and adapter are compared as equals; those
+rows are bit-identical to peft's. Adapter rows fold the scaling and the sum into one `addmm`, a
+rounding fewer than peft's separate multiply and add: they equal peft's outputs to float rounding
+(~1e-7 relative), like a batch of another size does, and are deterministic
+(tests/test_lora_inference.py). Training never takes the short path: gradients are on there.
 
 `TINKERLESS_LEAN_LORA=0` turns it off (what the benchmarks compare against).
 """
@@ -64,50 +66,46 @@ def forget(model: nn.Module, adapter: str) -> None:
 
 class _Views:
     """One layer's operands for one adapter (or the base alone), checked once to be a case the short path
-    computes exactly: transposed views of its weights, valid while the layer holds the same parameters in
+    computes as peft does: transposed views of its weights, valid while the layer holds the same parameters in
     the same storage under the same scaling."""
 
-    __slots__ = ("tensors", "pointers", "scale", "dtype", "weight_t", "bias", "a_t", "b_t", "scaling", "dropout")
+    __slots__ = ("weight", "weight_ptr", "bias", "bias_ptr", "lora_a", "a_ptr", "lora_b", "b_ptr", "scale", "dtype",
+                 "weight_t", "a_t", "b_t", "dropout")
 
     def __init__(self, base: nn.Linear, lora_a: nn.Linear | None, lora_b: nn.Linear | None, scaling: float,
                  dropout: bool) -> None:
-        self.tensors = _live_tensors(base, lora_a, lora_b)
-        self.pointers = tuple(t.data_ptr() for t in self.tensors)
+        self.weight, self.bias = base._parameters["weight"], base._parameters.get("bias")
+        self.weight_ptr = self.weight.data_ptr()
+        self.bias_ptr = self.bias.data_ptr() if self.bias is not None else 0
+        self.lora_a = lora_a._parameters["weight"] if lora_a is not None else None
+        self.lora_b = lora_b._parameters["weight"] if lora_b is not None else None
+        self.a_ptr = self.lora_a.data_ptr() if lora_a is not None else 0
+        self.b_ptr = self.lora_b.data_ptr() if lora_b is not None else 0
         self.scale, self.dtype = scaling, base.weight.dtype
-        self.weight_t, self.bias = base.weight.t(), base.bias
-        self.a_t = lora_a.weight.t() if lora_a is not None else None
-        self.b_t = lora_b.weight.t() if lora_b is not None else None
-        # peft multiplies by its float scaling; a 0-dim tensor of the weights' dtype gives the same products
-        # without wrapping the number into a new tensor on every call
-        self.scaling = torch.tensor(scaling, dtype=base.weight.dtype, device=base.weight.device)
+        self.weight_t = base.weight.t()
+        self.a_t = self.lora_a.t() if lora_a is not None else None
+        self.b_t = self.lora_b.t() if lora_b is not None else None
         self.dropout = dropout  # a real dropout: only outside training mode is it the identity
 
     def current(self, layer: nn.Module, name: str) -> bool:
         """The layer still has these parameters, storages and scaling (an adapter deleted and made again,
-        a load that swaps `.data`, or peft rescaling it each make new views). Reads the modules' dicts
-        directly: `nn.Module.__getattr__` costs a microsecond a call, here 210 times a decode step."""
+        a load that swaps `.data`, or peft rescaling it each make new views). Straight-line reads of the
+        modules' dicts: this runs in every LoRA layer on every decode step (210 times a token on SmolLM2),
+        where `nn.Module.__getattr__` alone costs a microsecond a call."""
         modules = layer._modules
-        base = modules["base_layer"]
-        if self.a_t is None:
-            lora_a = lora_b = None
-            if name and name in modules["lora_A"]._modules:
-                return False  # the adapter has since come to adapt this layer
-        else:
-            lora_a, lora_b = modules["lora_A"]._modules.get(name), modules["lora_B"]._modules.get(name)
-            if lora_a is None or lora_b is None or layer.scaling.get(name) != self.scale:
-                return False
-        live = _live_tensors(base, lora_a, lora_b)
-        return len(live) == len(self.tensors) and all(
-            t is mine and t.data_ptr() == pointer for t, mine, pointer in zip(live, self.tensors, self.pointers))
-
-
-def _live_tensors(base: nn.Module, lora_a: nn.Module | None, lora_b: nn.Module | None) -> tuple[torch.Tensor, ...]:
-    tensors = [base._parameters["weight"]]
-    if base._parameters.get("bias") is not None:
-        tensors.append(base._parameters["bias"])
-    if lora_a is not None:
-        tensors += [lora_a._parameters["weight"], lora_b._parameters["weight"]]
-    return tuple(tensors)
+        base = modules["base_layer"]._parameters
+        if base["weight"] is not self.weight or self.weight.data_ptr() != self.weight_ptr:
+            return False
+        if base.get("bias") is not self.bias or (self.bias is not None and self.bias.data_ptr() != self.bias_ptr):
+            return False
+        lora_a = modules["lora_A"]._modules.get(name)
+        if self.lora_a is None:
+            return lora_a is None  # else the adapter has since come to adapt this layer
+        lora_b = modules["lora_B"]._modules.get(name)
+        return (lora_a is not None and lora_b is not None
+                and lora_a._parameters["weight"] is self.lora_a and self.lora_a.data_ptr() == self.a_ptr
+                and lora_b._parameters["weight"] is self.lora_b and self.lora_b.data_ptr() == self.b_ptr
+                and layer.scaling.get(name) == self.scale)
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -118,14 +116,14 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     # nn.Linear on a (batch, seq, features) input runs exactly these: mm, or addmm with a bias
     result = torch.mm(flat, views.weight_t) if views.bias is None else torch.addmm(views.bias, flat, views.weight_t)
     if views.a_t is not None:
-        # peft's own expression, result + lora_B(lora_A(dropout(x))) * scaling, dropout being off
-        delta = torch.mm(torch.mm(flat, views.a_t), views.b_t)
-        result.add_(delta.mul_(views.scaling))  # in place: the same roundings, no new tensors
+        # peft computes result + (x A^T B^T) * scaling in three ops; one addmm does the product, the scaling
+        # and the sum in the BLAS call, a rounding fewer (outputs equal peft's to float rounding, not bitwise)
+        result.addmm_(torch.mm(flat, views.a_t), views.b_t, alpha=views.scale)
     return result.view(*x.shape[:-1], result.shape[-1])
 
 
 def _views(self, x: torch.Tensor, args: tuple, kwargs: dict) -> _Views | None:
-    """The operands of the short path when it computes exactly what peft would; else None. Runs in each of
+    """The operands of the short path when it computes what peft would; else None. Runs in each of
     the model's LoRA layers on every decode step, so it reads peft's plain attributes (the properties
     `disable_adapters`, `active_adapters` and `merged` read these) and checks the layer's modules only
     when it builds the views."""
