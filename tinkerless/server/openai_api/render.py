@@ -225,5 +225,9 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
             kept.append(text[position:end])
         position = end
     kept.append(text[position:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), calls
+    # With calls, trailing whitespace before them goes (the glue of "text\n<tool_call>"); leading whitespace stays
+    # when text follows it, as a stream must send it before it can know a call comes (streaming.py): the two agree.
+    if not calls:
+        return (text or None), calls
+    content = "".join(kept).rstrip()
+    return (content if content.strip() else None), calls
