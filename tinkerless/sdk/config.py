@@ -45,7 +45,7 @@ class TrainConfig:
     system_prompt: str | None = None
     agent: Callable | None = None  # an @tinkerless.agent function (docs/agents.md): runs instead of env/reward
     agent_timeout: float = 300.0  # seconds one agent copy may run; a slower one is dropped like a failing env
-    agent_transport: str = "asgi"  # how agents reach the worker's OpenAI endpoint: asgi (in-process) | http (loopback)
+    agent_transport: str = "asgi"  # how agents reach the worker's OpenAI endpoint: asgi (in-process) | http (loopback); on a shared server, the sandbox's channel
     agents: Any = None  # multi-agent envs: role -> policy name | Frozen(...) | opponent fn, or a list of such seatings
     protocol_timeout: float = 600.0  # seconds before a stuck multi-agent protocol or barrier is an error
     name: str = "run"
