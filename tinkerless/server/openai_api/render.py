@@ -229,5 +229,4 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     # when text follows it, as a stream must send it before it can know a call comes (streaming.py): the two agree.
     if not calls:
         return (text or None), calls
-    content = "".join(kept).rstrip()
-    return (content if content.strip() else None), calls
+    return ("".join(kept).rstrip() or None), calls

@@ -109,7 +109,7 @@ class ChoiceText:
                 last = text.rfind("<")
                 if last >= 0 and _OPENER_START.fullmatch(text, last):
                     limit = last
-            while limit > 0 and text[limit - 1].isspace():  # a reply with calls has its content stripped
+            while limit > 0 and text[limit - 1].isspace():  # a reply with calls has its trailing whitespace cut
                 limit -= 1
         return max(limit, self.sent)
 
