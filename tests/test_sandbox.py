@@ -550,10 +550,19 @@ def test_bubblewrap_never_grants_network():
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"), reason="needs root to become another user")
 def test_a_non_root_worker_gets_the_same_sandbox_through_a_user_namespace():
     """As root the interpreter drops to a leased uid; as anyone else bwrap maps uid 65534 in a user namespace.
-    Run the second path for real: Debian's python3 as user nobody, with this checkout on its path."""
+    Run the second path for real: Debian's python3 as user nobody, with this checkout's package on its path."""
     import subprocess
 
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # A copy nobody can read: the checkout may sit below a directory only root may enter (mktemp -d is 0700).
+    checkout = tempfile.mkdtemp(prefix="tinkerless-nobody-")
+    os.chmod(checkout, 0o755)
+    package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tinkerless")
+    shutil.copytree(package, os.path.join(checkout, "tinkerless"), ignore=shutil.ignore_patterns("__pycache__"))
+    for root, dirs, files in os.walk(checkout):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
     script = (
         "import sys; sys.path.insert(0, %r)\n"
         "from tinkerless.envs.sandbox import run_python, SandboxLimits\n"
@@ -566,6 +575,7 @@ def test_a_non_root_worker_gets_the_same_sandbox_through_a_user_namespace():
         ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3", "-c", script],
         capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, cwd="/tmp",
     )
+    shutil.rmtree(checkout, ignore_errors=True)
     assert done.returncode == 0, done.stderr
     first, fork_denied, fork_allowed = done.stdout.splitlines()
     assert first.startswith("ok 65534 2 ") and "'root'" not in first and "'home'" not in first
