@@ -1,0 +1,135 @@
+"""Schema-driven hostile values: for every field of every wire dataclass, values drawn from its annotation.
+
+`field_paths(template)` walks a valid request down to its leaves and yields, for each field, map entry
+and list element, its access path and the annotation it is declared with. `hostile_for(hint)` draws the
+values a careless or hostile client sends for a field of that type:
+
+- None (every field, optional or not);
+- the wrong type (a string for a number, a number for a string, a map for a list, a list for a map);
+- NaN and +-inf, for numbers;
+- integers at and beyond 2**63 (and 2**64 - 1, the largest msgpack carries);
+- empty, huge, control-character, path-shaped and Unicode look-alike strings;
+- nested lists of the wrong shape.
+
+Nothing here names a field: a field added to a wire message later is fuzzed without anyone writing a
+case (tests/test_schema_fuzz.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Iterator
+
+import numpy as np
+from hypothesis import strategies as st
+
+PATH_SHAPED = ["..", "../x", "../../server/api_keys.json", "/etc/passwd", "a/b", "a\\b", "./a", "~/x", "a/../../b",
+               "%2e%2e%2f", "C:\\x"]
+CONTROL = ["", " ", "\x00", "x\x00y", "x\n", "\r\nx", "\x1b[31m", "\t", "\u202e", "\ufeffx"]
+LOOK_ALIKES = ["\u2024\u2024", "\uff0e\uff0e\uff0fx", "a\u2215b", "a\u2044b", "\uff41", "é", "\u0430dmin"]
+HUGE = ["a" * 256, "a" * 4096, "é" * 200, "a" * 200_000]
+BIG_INTS = [2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), -(2**63) + 1, -1]
+NON_FINITE = [float("nan"), float("inf"), -float("inf"), 1e308, -1e308]
+WRONG_SHAPES = [[], [None], [[None]], [[1, 2], [3]], [[[1]]], [{}], [[]], {"a": [1]}, [1, "x", None]]
+
+strings = st.sampled_from(PATH_SHAPED + CONTROL + LOOK_ALIKES + HUGE) | st.text(max_size=20)
+numbers = st.sampled_from(BIG_INTS + NON_FINITE + [0, -0.0, 0.5, 1e-320]) | st.integers(-(2**64), 2**64)
+wrong_shapes = st.sampled_from(WRONG_SHAPES)
+
+
+def hostile_for(hint: Any) -> st.SearchStrategy:
+    """Values a field annotated `hint` must refuse (or take, when they happen to be valid)."""
+    common = st.none() | wrong_shapes
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [o for o in typing.get_args(hint) if o is not type(None)]
+        return st.one_of(*(hostile_for(o) for o in options))
+    if hint in (int, float):
+        return common | numbers | strings | st.sampled_from([True, b"\x01", {"x": 1}])
+    if hint is str:
+        return common | strings | numbers | st.sampled_from([b"bytes", True])
+    if hint is bool:
+        return common | st.sampled_from([0, 1, 2, "true", "", 1.0, float("nan")])
+    if hint is bytes:
+        return common | strings | st.sampled_from([0, b"", b"\xff" * 3])
+    if hint is np.ndarray:
+        return common | st.sampled_from([
+            np.array([1.0, float("nan")]), np.zeros((2, 2), np.int64), np.array([2**40], np.int64),
+            np.array([], np.float32), np.array([-1, 3], np.int32), np.array([b"x"]), np.zeros(3, np.complex64),
+        ]) | numbers
+    if origin is list or hint is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        element = hostile_for(item) if item is not Any else strings | numbers | st.none()
+        return common | strings | numbers | st.lists(element, min_size=1, max_size=3)
+    if origin is dict or hint is dict:
+        args = typing.get_args(hint) or (str, Any)
+        return common | strings | numbers | st.dictionaries(
+            st.sampled_from(["", "..", "a/b", "\x00", "__dc__", "x" * 300]) | st.text(max_size=4),
+            hostile_for(args[1]) if args[1] is not Any else strings | numbers | st.none(), min_size=1, max_size=2)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return common | strings | numbers | st.sampled_from([{"x": 1}, {}])
+    return common | strings | numbers  # Any: plain data of any kind
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def field_paths(value: Any, hint: Any = None, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """(path, annotation) of every field, map entry and list element inside `value`."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        hints = _hints(type(value))
+        for f in dataclasses.fields(value):
+            field_hint = hints.get(f.name, Any)
+            yield prefix + (f.name,), field_hint
+            yield from field_paths(getattr(value, f.name), field_hint, prefix + (f.name,))
+        return
+    hint = _strip_optional(hint)
+    origin = typing.get_origin(hint)
+    if isinstance(value, list):
+        (item,) = typing.get_args(hint) or (Any,) if origin is list else (Any,)
+        for i, element in enumerate(value):
+            yield prefix + (i,), _strip_optional(item)
+            yield from field_paths(element, item, prefix + (i,))
+    elif isinstance(value, dict):
+        item = typing.get_args(hint)[1] if origin is dict and typing.get_args(hint) else Any
+        for key, element in value.items():
+            yield prefix + (key,), _strip_optional(item)
+            yield from field_paths(element, item, prefix + (key,))
+
+
+def _strip_optional(hint: Any) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [o for o in typing.get_args(hint) if o is not type(None)]
+        if len(options) == 1:
+            return options[0]
+    return hint
+
+
+def replaced(value: Any, path: tuple, new: Any) -> Any:
+    """A copy of `value` with the element at `path` set to `new` (frozen dataclasses too)."""
+    import copy
+
+    value = copy.deepcopy(value)
+    parent = value
+    for key in path[:-1]:
+        parent = getattr(parent, key) if dataclasses.is_dataclass(parent) else parent[key]
+    if dataclasses.is_dataclass(parent):
+        object.__setattr__(parent, path[-1], new)
+    else:
+        parent[path[-1]] = new
+    return value
+
+
+def wire_dataclasses() -> list[type]:
+    """Every dataclass a client can send: the wire modules' own, and the loss config they carry."""
+    from tinkerless.functions.losses import LossConfig
+    from tinkerless.wire import code, messages, runs
+
+    found = [LossConfig]
+    for module in (messages, runs, code):
+        found += [obj for obj in vars(module).values()
+                  if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__]
+    return found
