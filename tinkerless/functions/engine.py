@@ -95,11 +95,26 @@ def draw_rows(
         probs = torch.softmax(scores, dim=-1)
         uniforms = torch.stack([torch.rand((), generator=g, device=probs.device) for g in generators])
         cdf = probs.cumsum(dim=-1)
+        _check_finite(cdf[:, -1])
         # right=True: the first token whose cumulative mass exceeds u, so a zero-probability token
         # (filtered by top_k / top_p) is never picked; u < total mass, clamped against rounding.
         targets = torch.minimum(uniforms * cdf[:, -1], cdf[:, -1] * (1 - 1e-6))
         picks = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
-    return picks, logprobs.gather(1, picks[:, None]).squeeze(1)
+    picked = logprobs.gather(1, picks[:, None]).squeeze(1)
+    _check_finite(picked)
+    return picks, picked
+
+
+def _check_finite(values: torch.Tensor) -> None:
+    """Refuse to sample from NaN or infinite logits (a diverged adapter): they draw out-of-range or arbitrary
+    tokens with NaN log-probs, which must never be recorded as the policy's samples. (The engine reads every
+    step's picks on the host anyway, so this costs no extra device sync worth counting.)"""
+    if not bool(torch.isfinite(values).all()):
+        raise UserError(
+            "the model's output is not finite (NaN or inf) for this policy: its weights have diverged",
+            hint="load an earlier checkpoint or reset the policy, then train with a lower learning rate "
+            "or grad_clip_norm",
+        )
 
 
 @dataclass

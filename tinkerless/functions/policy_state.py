@@ -99,6 +99,9 @@ def check_weights_fit(policy: str, weights: dict[str, torch.Tensor], expected: d
         k = wrong[0]
         raise _bad(policy, ADAPTER_WEIGHTS, f"{k} has shape {tuple(weights[k].shape)}, the adapter's is "
                    f"{tuple(expected[k].shape)} (another LoRA rank or model?)")
+    diverged = next((k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if diverged is not None:  # NaN or inf weights would make every sample of the policy garbage
+        raise _bad(policy, ADAPTER_WEIGHTS, f"{diverged} holds NaN or infinite values")
 
 
 def peft_config(lora: LoraConfig):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import math
 import os
 import shutil
 import tempfile
@@ -479,12 +480,19 @@ class Worker:
             group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
         grads = [p.grad for p in policy.params if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
-        if adam.grad_clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(policy.params, adam.grad_clip_norm)
-        policy.optimizer.step()
+        # A NaN or inf gradient would make every weight NaN and every later sample garbage: the step is skipped
+        # (as a loss scaler skips it), the version still counts, and the metrics say so.
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            if adam.grad_clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(policy.params, adam.grad_clip_norm)
+            policy.optimizer.step()
         policy.optimizer.zero_grad(set_to_none=True)
         policy.version += 1
-        return OptimStepResult({"grad_norm": grad_norm, "learning_rate": adam.learning_rate}, policy.version)
+        metrics = {"learning_rate": adam.learning_rate, "optim_step_skipped": float(skipped)}
+        if not skipped:  # metrics travel as JSON too (Tinker, metrics.jsonl), which has no inf or NaN
+            metrics["grad_norm"] = grad_norm
+        return OptimStepResult(metrics, policy.version)
 
     def update(self, request: UpdateRequest) -> UpdateResult:
         fb = self.forward_backward(ForwardBackwardRequest(request.policy, request.data, request.loss))

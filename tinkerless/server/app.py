@@ -134,14 +134,14 @@ def create_app(
         policies: frozenset[str] = frozenset()
         try:
             body = await read_body(request, max_request_bytes)
-            if method in _GENERATING and hasattr(worker, "chat"):
-                await asyncio.to_thread(_check_limits, limits, worker, method, body)
-            # Multi-tenant: scope every policy name to the caller, once the request is known sound. `info`
-            # ignores its request and unknown methods are refused by the worker: their bodies are never walked.
+            # Every value is checked before anything reads it (the limits below included). `info` ignores its
+            # request and unknown methods are refused by the worker: their bodies are never walked.
             decoded = None
-            if tenant and method != "info" and (not known_methods or method in known_methods):
-                decoded = decode_message(body)
-                validate(decoded)  # the worker validates again, token ids included, after scoping
+            if method != "info" and (not known_methods or method in known_methods):
+                decoded = validate(decode_message(body))  # the worker validates again, token ids included
+            if method in _GENERATING and hasattr(worker, "chat"):
+                await asyncio.to_thread(_check_limits, limits, worker, method, decoded)
+            if tenant and decoded is not None:  # multi-tenant: every policy name scoped to the caller
                 decoded = scope(decoded, tenant_prefix(tenant))
                 body = encode_message(decoded)
             if method in _POLICY_STATE:
@@ -316,12 +316,9 @@ def _gpu_lines() -> list[str]:
     return lines
 
 
-def _check_limits(limits: ServingLimits, worker, method: str, body: bytes) -> None:
-    """Refuse a generating call over the server's limits (string prompts counted as the worker templates them)."""
-    try:
-        request = decode_message(body)
-    except Exception:  # noqa: BLE001
-        return  # the worker answers malformed bodies with their own typed error
+def _check_limits(limits: ServingLimits, worker, method: str, request: Any) -> None:
+    """Refuse a generating call over the server's limits (string prompts counted as the worker templates them).
+    `request` has been validated: a request of another type than the method's is the worker's to refuse."""
     limits.check_call(method, request, lambda text: len(worker.chat.prompt_tokens([{"role": "user", "content": text}])))
 
 

@@ -31,6 +31,9 @@ MAX_SEED = 2**63 - 1
 # limits on tokens and samples are stricter and apply on top.
 MAX_TOKENS = 1 << 20
 MAX_COUNT = 1 << 16
+MAX_STEP = 2**31 - 1  # steps and policy versions: far past any run, and safe in every int type downstream
+# Adam moves each weight by about the learning rate a step: past this, a few steps overflow the adapter to inf.
+MAX_LEARNING_RATE = 10.0
 MAX_POLICY_NAME = 200  # worker-side names (tenant and run prefixes included) become file names (255 bytes)
 _POLICY_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -225,13 +228,13 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
 
     seed = between(0, MAX_SEED)
     count = between(1, MAX_COUNT)
-    step = between(0)
+    step = between(0, MAX_STEP)
     return {
         m.SamplingParams: {"max_tokens": between(0, MAX_TOKENS), "temperature": _temperature, "top_p": between(0, 1, low_open=True),
                            "top_k": between(0, MAX_TOKENS)},
         m.LoraConfig: {"rank": between(1, 256), "alpha": between(0, low_open=True), "dropout": between(0, 1, high_open=True),
                        "target_modules": _non_empty, "seed": seed},
-        m.AdamParams: {"learning_rate": between(0), "beta1": between(0, 1, high_open=True),
+        m.AdamParams: {"learning_rate": between(0, MAX_LEARNING_RATE), "beta1": between(0, 1, high_open=True),
                        "beta2": between(0, 1, high_open=True), "eps": between(0, low_open=True),
                        "weight_decay": between(0), "grad_clip_norm": between(0)},
         m.EpisodeLimits: {"max_turns": count, "max_episode_tokens": between(1, MAX_TOKENS)},
@@ -336,7 +339,7 @@ def _participant(value: Any, path: str) -> None:
 
 def _step(value: Any, path: str) -> None:
     _check_number(value, int, path)
-    between(0)(value, path)
+    between(0, MAX_STEP)(value, path)
 
 
 def _timeout(value: Any, path: str) -> None:

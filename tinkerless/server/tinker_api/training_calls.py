@@ -148,7 +148,7 @@ class TrainingCalls:
         def run() -> dict:
             validate(adam)  # here, not before queueing: a refused call must still use up its place in the order
             result = self.worker.optim_step(OptimStepRequest(model.policy, adam))
-            return {"metrics": {"grad_norm:mean": result.metrics["grad_norm"], "learning_rate:mean": adam.learning_rate}}
+            return {"metrics": {"grad_norm:mean": result.metrics.get("grad_norm", 0.0), "learning_rate:mean": adam.learning_rate}}
 
         return self.submit(tenant, run, stream=model.model_id, seq=body.get("seq_id"), model_id=model.model_id)
 
