@@ -106,6 +106,8 @@ def check(response: httpx.Response, sent) -> None:
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], where
+        assert error["type"] and error["code"], where  # a client can branch on both, whatever went wrong
+        assert "Value error, " not in error["message"], where  # the caller's terms, not pydantic's
     elif response.headers["content-type"].startswith("text/event-stream"):
         assert response.text.endswith("data: [DONE]\n\n"), where
     elif response.request.method == "GET":

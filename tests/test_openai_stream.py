@@ -301,3 +301,54 @@ def test_several_completion_prompts_stream_on_their_choice_indices(server):
                        4, False)
     assert_same(streamed, expected)
     assert len(set(streamed["text"])) == 4
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_non_streamed_request_whose_client_times_out_is_cancelled_within_a_second(server, route):
+    """The `openai` client's timeout (and its retries) must not leave jobs generating for nobody."""
+    url, app, worker = server
+    backend, batcher, scheduler = app.state.openai, worker.engine.batcher, app.state.scheduler
+    before = batcher.decoded_tokens
+    if route == "chat":
+        path, body = "/v1/chat/completions", {"messages": HI}
+    else:
+        path, body = "/v1/completions", {"prompt": ["Say something.", "Say more."]}
+    body = {**body, "model": base(app), "max_tokens": LONG, "temperature": 0.0, "n": 2}
+    with pytest.raises(httpx.ReadTimeout):  # the whole job takes seconds: the client gives up first
+        httpx.post(f"{url}{path}", json=body, headers={"Authorization": "Bearer tml-alice-key"}, timeout=0.4)
+    gave_up = time.monotonic()
+    while (batcher.rows or scheduler.in_flight or scheduler.pending) and time.monotonic() < gave_up + 5:
+        time.sleep(0.01)
+    idle_after = time.monotonic() - gave_up
+    assert batcher.rows == 0 and scheduler.in_flight == 0 and scheduler.pending == 0
+    assert idle_after < 1.0, f"the abandoned job ran on for {idle_after:.2f} s"
+    rows = 2 if route == "chat" else 4
+    assert batcher.decoded_tokens - before < rows * (LONG - 100)  # far from what was asked for
+    assert not backend._jobs  # nothing left to cancel
+    again = client(url).chat.completions.create(model=base(app), messages=HI, max_tokens=5, seed=1)
+    assert again.usage.completion_tokens >= 1
+
+
+def test_shutdown_cancels_the_jobs_the_openai_routes_queued(server):
+    url, app, worker = server
+    import threading
+
+    result: dict = {}
+
+    def ask() -> None:
+        try:
+            result["reply"] = client(url).chat.completions.create(model=base(app), messages=HI, max_tokens=LONG,
+                                                                  temperature=0.0)
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+            result["error"] = exc
+
+    caller = threading.Thread(target=ask)
+    caller.start()
+    deadline = time.monotonic() + 10
+    while not app.state.openai._jobs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert app.state.cancel_jobs() >= 1  # what `tinkerless serve` calls on SIGTERM, before it drains
+    caller.join(timeout=5)
+    assert not caller.is_alive(), "the request outlived its cancelled job"
+    reply = result["reply"]
+    assert reply.usage.completion_tokens < LONG - 100

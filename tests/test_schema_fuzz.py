@@ -151,3 +151,47 @@ def test_values_drawn_from_each_fields_type_never_get_a_5xx(target):
     assert not [n for n in names if ".." in n.split("/") or any(not c.isprintable() for c in n)], names
     assert all(len(part.encode()) <= 255 for n in names for part in n.split("/"))
 
+
+
+def test_the_issues_classes_are_400s_of_category_user(target):
+    """The classes the outside fuzzer found, each at the boundary (the draws above cover them among others)."""
+    from tinkerless.wire.messages import EpisodeLimits, RolloutRequest, SamplingParams
+    from tinkerless.wire.runs import CheckpointPolicy, RestoreCheckpointRequest, RunCall, SaveCheckpointRequest
+
+    target, storage = target
+
+    def refused(path: str, body: object) -> str:
+        response = send(target, path, body)
+        assert response.status_code == 400, (path, body, response.status_code)
+        return decode_message(response.content).error
+
+    import numpy as np
+
+    for config in ({"nope": 1}, {"": None, "a/b": [1, {"x": None}]}, {"learning_rate": "fast"}, {1: "int key", "b": 2},
+                   {"b": b"\xff"}, {"arr": np.zeros(2)}, {"n": float("nan")}, {"deep": [[[[{"x": 2**64 - 1}]]]]}):
+        response = send(target, "/v1/runs/call/create", RunCall(f"cfg-{len(str(config))}", {"config": config}))
+        assert response.status_code in (200, 400), response.status_code
+    for messages in (["hi"], [None], [{"role": 5, "content": "x"}], [{"content": "x"}], "hi", [{"role": "user"}]):
+        request = RolloutRequest(POLICY, [{"messages": messages}], 1, SamplingParams(max_tokens=2), EpisodeLimits(), 0)
+        assert "messages" in refused("/v1/call/rollout", request)
+    bad_names = ["", "x\n", "../x", "../../server/api_keys.json", "..", "a" * 256, "\x00", "a\u2215b/", "é/",
+                 "/abs/", "policies/../", "\u2024\u2024/"]
+    for prefix in bad_names:
+        policies = [CheckpointPolicy("default", prefix, POLICY)]
+        save = SaveCheckpointRequest(target.run_id, target.lease, 1, policies, {})
+        restore = RestoreCheckpointRequest(target.run_id, target.lease, policies, [])
+        if prefix:  # "" is the top-level layout: valid
+            assert "file_prefix" in refused("/v1/runs/checkpoint/save", save)
+            assert "file_prefix" in refused("/v1/runs/checkpoint/restore", restore)
+    for step in (2**63 - 1, 2**64 - 1, -1):
+        policies = [CheckpointPolicy("default", "", POLICY)]
+        assert "step" in refused("/v1/runs/checkpoint/save", SaveCheckpointRequest(target.run_id, target.lease, step,
+                                                                                     policies, {}))
+        assert "step" in refused("/v1/runs/checkpoint/restore", RestoreCheckpointRequest(
+            target.run_id, target.lease, policies, [], step=step))
+    for key in ("../x.json", "a/../../b", "/etc/x", "x\n.json", "."):
+        policies = [CheckpointPolicy("default", "", POLICY)]
+        refused("/v1/runs/checkpoint/save", SaveCheckpointRequest(target.run_id, target.lease, 1, policies, {key: b"x"}))
+        refused("/v1/runs/checkpoint/restore", RestoreCheckpointRequest(target.run_id, target.lease, policies, [key]))
+    names = [str(p.relative_to(storage)) for p in storage.rglob("*")]
+    assert not [n for n in names if "api_keys" in n and not n.startswith("server/")], names

@@ -124,3 +124,54 @@ def test_an_unexpected_bug_is_a_typed_500_in_the_routes_format():
     reply = decode_message(called.content)
     assert called.status_code == 500 and isinstance(reply, ErrorReply) and reply.category == "server"
     assert "secret" not in reply.error
+
+
+def test_sigterm_cancels_a_running_generation_instead_of_waiting_for_it(tiny_model, tmp_path):
+    """A generation for a caller that is waiting (or gone) must not hold `tinkerless serve`'s shutdown."""
+    import threading
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tinkerless.sdk.cli", "serve", "--model", tiny_model, "--port", str(port), "--no-auth",
+         "--single-user", "--storage", str(tmp_path / "server"), "--max-tokens", "2000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2000,
+                "temperature": 0.0, "n": 4}
+        answered: dict = {}
+
+        def ask() -> None:
+            try:
+                answered["status"] = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code
+            except httpx.HTTPError as exc:
+                answered["error"] = exc
+
+        caller = threading.Thread(target=ask)
+        caller.start()
+        while "in_flight 1" not in httpx.get(f"{url}/metrics").text:  # the generation is running
+            assert caller.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)
+        sent = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+        took = time.monotonic() - sent
+        caller.join(timeout=10)
+        # 4 x 2000 greedy tokens take the tiny model well over the 3 s; the job's rows end at their next step.
+        assert took < 3.0, f"SIGTERM waited {took:.1f} s"
+        assert server.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
+    finally:
+        if server.poll() is None:
+            server.kill()

@@ -333,8 +333,8 @@ def _next_action_hint(s: RunState) -> str:
 
 
 def _require_json(value: object, what: str) -> None:
-    try:
-        json.dumps(value)
+    try:  # as `_persist` writes it: sorted keys (a map mixing int and str keys cannot be sorted)
+        json.dumps(value, sort_keys=True)
     except (TypeError, ValueError) as e:
         raise UserError(
             f"{what} is not JSON-serializable: {e}",

@@ -6,17 +6,15 @@ Modal unchanged.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 
-from tinkerless.errors import UserError
+from tinkerless.storage.names import RUN_ID, check_name
 
 RUNS_PREFIX = "runs"
 STATE_FILE = "state.json"
 STATUSES = ("running", "finished", "failed", "interrupted")
 
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class Phase(str, Enum):
@@ -91,14 +89,7 @@ def stale_after(interval: float) -> float:
 
 def validate_run_id(run_id: str) -> str:
     """Run ids become one storage key part, so they must be a plain, safe name."""
-    # fullmatch: `$` would also accept a trailing newline, which then becomes part of a directory name.
-    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
-        raise UserError(
-            f"invalid run id {str(run_id)[:140]!r}",
-            hint="use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit "
-            "(e.g. 'gsm8k-grpo-01')",
-        )
-    return run_id
+    return check_name(run_id, RUN_ID)
 
 
 def run_prefix(run_id: str) -> str:

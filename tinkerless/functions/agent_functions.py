@@ -89,7 +89,8 @@ class PolicyBackend:
     def models(self, caller: str) -> list[str]:
         return [POLICY_MODEL]
 
-    async def sample(self, caller: str, model: str, request: TokenSampling) -> list[SampledChoice]:
+    async def sample(self, caller: str, model: str, request: TokenSampling, cancel=None) -> list[SampledChoice]:
+        # (`cancel` is not needed here: the rollout that made this endpoint owns every call's lifetime)
         run = self.copies.get(caller)
         if run is None:
             raise OpenAIError("this API key is not an episode of the running rollout", status=401, type="authentication_error",

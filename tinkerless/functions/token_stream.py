@@ -95,7 +95,31 @@ class TokenStream:
             yield item
 
 
-def replay(stream: TokenStream, rows: list[tuple[list[int], list[float], list | None, str]]) -> None:
+class Cancellation:
+    """A stream that delivers nothing: what a job whose caller waits for the whole result gets, so that it can
+    be cancelled the same way (`cancel` when the caller has gone; the engine ends the rows at its next step)."""
+
+    def __init__(self) -> None:
+        self._cancelled = threading.Event()
+
+    def put(self, event: TokenEvent) -> None:
+        pass
+
+    def end(self, result: Any = None) -> None:
+        pass
+
+    def fail(self, error: BaseException) -> None:
+        pass
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+def replay(stream: TokenStream | Cancellation, rows: list[tuple[list[int], list[float], list | None, str]]) -> None:
     """Send whole rows, (token ids, log-probs, top log-probs or None, stop reason) each, token by token: what an
     engine that streams would have sent (for engines and backends that only return whole generations)."""
     for row, (tokens, logprobs, top, reason) in enumerate(rows):

@@ -34,8 +34,9 @@ from typing import Any, Callable, Iterator, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinkerless.errors import ProtocolError, SequenceReused, ServerBusy, TinkerlessError
+from tinkerless.errors import ProtocolError, SequenceReused, ServerBusy, TinkerlessError, UserError
 from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.keys import KeyStore
 from tinkerless.server.limits import LimitExceeded, ServingLimits
@@ -107,6 +108,9 @@ def create_app(
     scheduler = Scheduler(max_pending=max_pending, max_pending_per_tenant=max_pending_per_tenant,
                           slice_seconds=slice_seconds)
     app.state.scheduler = scheduler
+    # Shutdown cancels the generations this app queued for callers that wait on nothing else (the OpenAI routes);
+    # training calls run to the end, so a policy is never left half-updated.
+    app.state.cancel_jobs = lambda: 0
     stats = ServerStats(scheduler)
     app.state.stats = stats
 
@@ -221,6 +225,7 @@ def create_app(
 
         # The OpenAI API (docs/openai.md): the same keys, tenants, scheduler and limits as the routes above.
         app.state.openai = ServeBackend(worker, scheduler, store, limits=limits)
+        app.state.cancel_jobs = app.state.openai.cancel_all
         app.include_router(openai_router(app.state.openai, caller=tenant_of, max_body_bytes=max_request_bytes))
 
     if tinker_api and hasattr(worker, "model_name"):
@@ -230,6 +235,20 @@ def create_app(
         aliases = {resolve_model(worker.model_name)}
         app.state.tinker = tinker.mount(app, worker, scheduler, store, tenant_of, max_request_bytes=max_request_bytes,
                                         aliases=aliases, stats=stats, limits=limits)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def no_such_route(request: Request, exc: StarletteHTTPException) -> Response:
+        """A path or method no route serves: a typed 4xx in the format of the API the path belongs to."""
+        path = request.url.path
+        message = f"{request.method} {path[:200]} is not served here ({exc.detail})"
+        if path.startswith(("/v1/call/", "/v1/runs/")):  # the msgpack routes answer an ErrorReply envelope
+            return error_response(exc.status_code, UserError(message, hint="see docs/serving.md for the routes"))
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        if path.startswith("/v1/"):  # the OpenAI routes' error body
+            return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                           "code": code}}, status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse({"error": message, "category": "user", "code": code}, status_code=exc.status_code,
+                            headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
@@ -395,7 +414,18 @@ def serve(
         keys=keys,
         storage=storage or ".",
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+    class Server(uvicorn.Server):
+        """uvicorn's graceful shutdown waits for every open request, and an abandoned generation would hold it
+        for its whole job: SIGINT/SIGTERM first cancel the generations queued and running for the OpenAI routes."""
+
+        def handle_exit(self, sig, frame) -> None:
+            cancelled = app.state.cancel_jobs()
+            if cancelled:
+                logger.info("shutting down: cancelled %d generation job(s)", cancelled)
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
 
 
 @contextlib.contextmanager

@@ -14,16 +14,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import re
 import secrets
 import time
 from dataclasses import asdict, dataclass
 
 from tinkerless.errors import StorageNotFound, UserError
 from tinkerless.storage import ObjectStore
+from tinkerless.storage.names import TENANT_NAME, check_name
 
 KEYS_FILE = "server/api_keys.json"
-_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 @dataclass
@@ -56,8 +55,7 @@ class KeyStore:
 
     def create(self, tenant: str) -> str:
         """Issue a key for `tenant`; the plaintext is returned once and never stored."""
-        if not _TENANT.fullmatch(tenant or ""):
-            raise UserError(f"invalid tenant name {tenant!r}", hint="1-64 letters, digits, '_' or '-'")
+        check_name(tenant, TENANT_NAME)
         key_id = secrets.token_hex(4)
         key = f"tml-{key_id}-{secrets.token_urlsafe(24)}"
         records = self._load()

@@ -17,6 +17,7 @@ import copy
 import logging
 import os
 import threading
+import unicodedata
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from fsspec.implementations.local import LocalFileSystem
 from tinkerless.errors import StorageError, StorageNotFound, TinkerlessError, UserError
 from tinkerless.storage import local as _local
 from tinkerless.storage.errors import PreconditionFailed
+from tinkerless.storage.names import MAX_NAME_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,9 @@ _NOT_FOUND_HINT = "check the key and the storage URL; list what exists with Obje
 def validate_key(key: str) -> str:
     """Return `key` unchanged if it is a safe relative key, else raise UserError.
 
-    Rejected: empty keys, absolute paths, backslashes, NUL, empty parts
-    ('a//b', trailing '/'), and '.' or '..' parts (path traversal).
+    Rejected: empty keys, absolute paths, backslashes, NUL and other control characters, empty parts
+    ('a//b', trailing '/'), '.' or '..' parts (path traversal), and parts over 255 bytes (a file name's
+    limit). The second wall behind `names.check_name`, which refuses such names where a client sends them.
     """
     if not isinstance(key, str):
         raise UserError(
@@ -71,6 +74,10 @@ def validate_key(key: str) -> str:
             f"storage key {key!r} contains a '.' or '..' part; keys may not leave or alias the store root",
             hint=hint,
         )
+    if any(unicodedata.category(c) in ("Cc", "Cf") for c in key):
+        raise UserError(f"storage key {key[:80]!r} contains a control character", hint=hint)
+    if any(len(p.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for p in parts):
+        raise UserError(f"storage key {key[:80]!r}... has a part over {MAX_NAME_BYTES} bytes", hint=hint)
     if len(parts[0]) == 2 and parts[0][1] == ":" and parts[0][0].isalpha():
         raise UserError(f"storage key {key!r} looks like a Windows drive path", hint=hint)
     return key

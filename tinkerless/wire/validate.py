@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import types
 import typing
 from typing import Any, Callable
@@ -24,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tinkerless.errors import InvalidRequest, TinkerlessError
+from tinkerless.storage.names import POLICY_NAME, RUN_ID, check_file_key, check_name
 
 MAX_DEPTH = 32  # nesting of plain data (tasks, metadata); real requests use a handful of levels
 MAX_SEED = 2**63 - 1
@@ -34,8 +34,6 @@ MAX_COUNT = 1 << 16
 MAX_STEP = 2**31 - 1  # steps and policy versions: far past any run, and safe in every int type downstream
 # Adam moves each weight by about the learning rate a step: past this, a few steps overflow the adapter to inf.
 MAX_LEARNING_RATE = 10.0
-MAX_POLICY_NAME = 200  # worker-side names (tenant and run prefixes included) become file names (255 bytes)
-_POLICY_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _fail(path: str, message: str, hint: str | None = None) -> None:
@@ -173,14 +171,22 @@ def between(low: float | None = None, high: float | None = None, *, low_open: bo
 
 
 def policy_name(value: Any, path: str) -> None:
-    if value is None:
-        return
-    if not isinstance(value, str) or not _POLICY_NAME.fullmatch(value) or len(value) > MAX_POLICY_NAME:
-        _fail(
-            path,
-            f"is not a valid policy name: {str(value)[:64]!r}{'...' if len(str(value)) > 64 else ''}",
-            "use a short name of ASCII letters, digits, '-' and '_' (at most 128 characters)",
-        )
+    if value is not None:
+        check_name(value, POLICY_NAME, where=path)
+
+
+def _run_id(value: Any, path: str) -> None:
+    check_name(value, RUN_ID, where=path)
+
+
+def _checkpoint_file_prefix(value: Any, path: str) -> None:
+    check_file_key(value, where=path, allow_empty=True, trailing_slash=True)
+
+
+def _file_keys(value: Any, path: str) -> None:
+    """Names of checkpoint files (map keys or a list): relative keys of plain file names, nothing path-shaped."""
+    for key in value:
+        check_file_key(key, where=f"{path} key")
 
 
 def _temperature(value: Any, path: str) -> None:
@@ -251,11 +257,15 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
         m.OptimStepRequest: {"policy": trainable_policy},
         m.UpdateRequest: {"policy": trainable_policy, "data": _non_empty, "loss": loss},
         m.SampleRequest: {"policy": policy_name, "prompts": _non_empty, "num_samples": count, "seed": seed},
-        m.PolicyState: {"policy": trainable_policy, "policy_version": step},
         m.SaveStateRequest: {"policy": policy_name},
-        r.CheckpointPolicy: {"worker_policy": policy_name, "version": step},
-        r.SaveCheckpointRequest: {"step": step, "keep_last": count, "metadata": _json},
-        r.RestoreCheckpointRequest: {"step": step, "keep_last": count},
+        m.PolicyState: {"policy": trainable_policy, "policy_version": step, "files": _file_keys},
+        r.CheckpointPolicy: {"name": policy_name, "file_prefix": _checkpoint_file_prefix,
+                             "worker_policy": policy_name, "version": step},
+        r.SaveCheckpointRequest: {"run_id": _run_id, "step": step, "keep_last": count, "metadata": _json,
+                                  "files": _file_keys, "policies": _non_empty},
+        r.RestoreCheckpointRequest: {"run_id": _run_id, "step": step, "keep_last": count,
+                                     "client_files": _file_keys},
+        r.RunCall: {"run_id": _run_id},
     }
 
 
@@ -312,6 +322,35 @@ def _datums(request: Any) -> None:
                 _fail(f"{path}.{name}", "holds NaN or infinite values")
 
 
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _single_turn_tasks(request: Any) -> None:
+    """A single-turn rollout's tasks become chat-template input: a task's 'messages' must be a list of
+    {role, content} maps (a missing prompt is the agent loop's `DatasetError`; an env's or agent's tasks are
+    its own keyword arguments, unchecked here)."""
+    from tinkerless.wire import messages as m
+
+    if not isinstance(request, m.RolloutRequest) or request.env is not None or request.agent is not None:
+        return
+    for i, task in enumerate(request.tasks):
+        path = f"RolloutRequest.tasks[{i}]"
+        if not isinstance(task, dict):
+            _fail(path, f"must be a map, got {type(task).__name__}")
+        if "messages" in task:
+            messages = task["messages"]
+            if not isinstance(messages, list) or not messages:
+                _fail(f"{path}['messages']", "must be a non-empty list of messages")
+            for j, message in enumerate(messages):
+                where = f"{path}['messages'][{j}]"
+                if not isinstance(message, dict):
+                    _fail(where, f"must be a message map with 'role' and 'content', got {type(message).__name__}")
+                if message.get("role") not in MESSAGE_ROLES:
+                    _fail(f"{where}['role']", f"is {str(message.get('role'))[:40]!r}, not one of {', '.join(MESSAGE_ROLES)}")
+                if not isinstance(message.get("content"), str):
+                    _fail(f"{where}['content']", "must be a string")
+
+
 def validate(request: Any, *, vocab_size: int | None = None) -> Any:
     """Check a decoded request (any tinkerless wire dataclass); InvalidRequest names the first bad field."""
     if not _RULES:
@@ -320,6 +359,7 @@ def validate(request: Any, *, vocab_size: int | None = None) -> Any:
         _fail("the request", f"must be a tinkerless request type, got {type(request).__name__}")
     _check_dataclass(request, type(request).__name__, 0)
     _datums(request)
+    _single_turn_tasks(request)
     if vocab_size is not None:
         _token_ids(request, vocab_size)
     return request

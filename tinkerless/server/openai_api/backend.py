@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tinkerless.errors import UserError
+from tinkerless.functions.token_stream import Cancellation
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,12 @@ class CompletionBackend(Protocol):
         """The model names `caller` may use, for /v1/models."""
         ...
 
-    async def sample(self, caller: str, model: str, request: TokenSampling) -> list[SampledChoice]:
+    async def sample(
+        self, caller: str, model: str, request: TokenSampling, cancel: Cancellation | None = None
+    ) -> list[SampledChoice]:
         """`request.n` choices. Raises `OpenAIError`s (or other tinkerless errors: a UserError becomes a 400,
-        `ModelNotFoundError` a 404) that the router answers with an OpenAI-style error body."""
+        `ModelNotFoundError` a 404) that the router answers with an OpenAI-style error body. Once `cancel` is
+        cancelled (the caller hung up) the job may end early: its rows stop with what they have drawn."""
         ...
 
 
@@ -70,7 +74,8 @@ class OpenAIError(UserError):
         self.status = status
         self.type = type
         self.param = param
-        self.code = code
+        # Every 4xx body carries a code a client can branch on: the generic one unless the raiser names another.
+        self.code = code if code is not None else ("invalid_value" if status == 400 else None)
 
 
 def unknown_model(model: str, available: list[str]) -> OpenAIError:

@@ -50,7 +50,7 @@ def check_tools(tools: list[Any] | None) -> list[dict]:
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise OpenAIError("tools must be a list of tool definitions", param="tools")
+        raise OpenAIError("tools must be a list of tool definitions", param="tools", code="unsupported_tool")
     checked = []
     for i, entry in enumerate(tools):
         where = f"tools[{i}]"
@@ -63,21 +63,23 @@ def check_tools(tools: list[Any] | None) -> list[dict]:
             )
         function = entry.get("function")
         if not isinstance(function, dict):
-            raise OpenAIError(f"{where}.function must be an object with a name", param=f"{where}.function")
+            raise OpenAIError(f"{where}.function must be an object with a name", param=f"{where}.function",
+                              code="unsupported_tool")
         name = function.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
             raise OpenAIError(
                 f"{where}.function.name {str(name)[:80]!r} is not a valid function name",
-                param=f"{where}.function.name", hint="use 1-64 letters, digits, '_' or '-'",
+                param=f"{where}.function.name", code="unsupported_tool", hint="use 1-64 letters, digits, '_' or '-'",
             )
         description = function.get("description", "")
         if description is not None and not isinstance(description, str):
-            raise OpenAIError(f"{where}.function.description must be a string", param=f"{where}.function.description")
+            raise OpenAIError(f"{where}.function.description must be a string", param=f"{where}.function.description",
+                              code="unsupported_tool")
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
             raise OpenAIError(
                 f"{where}.function.parameters must be a JSON-schema object (with an object of properties)",
-                param=f"{where}.function.parameters",
+                param=f"{where}.function.parameters", code="unsupported_tool",
                 hint='e.g. {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}',
             )
         checked.append({"type": "function", "function": {"name": name, "description": description or "",
@@ -115,9 +117,11 @@ def _arguments_of(call: dict, where: str) -> dict:
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
-            raise OpenAIError(f"{where}.function.arguments is not valid JSON", param=f"{where}.function.arguments") from None
+            raise OpenAIError(f"{where}.function.arguments is not valid JSON", param=f"{where}.function.arguments",
+                              code="invalid_tool_arguments") from None
     if not isinstance(arguments, dict):
-        raise OpenAIError(f"{where}.function.arguments must be a JSON object", param=f"{where}.function.arguments")
+        raise OpenAIError(f"{where}.function.arguments must be a JSON object", param=f"{where}.function.arguments",
+                          code="invalid_tool_arguments")
     return arguments
 
 
@@ -133,7 +137,8 @@ def normalize_messages(messages: Any, *, template_tools: bool) -> list[dict]:
             raise OpenAIError(f"{where} must be an object with a role", param=where)
         role = message.get("role")
         if role not in ROLES:
-            raise OpenAIError(f"{where}.role {str(role)[:40]!r} is not one of {', '.join(ROLES)}", param=f"{where}.role")
+            raise OpenAIError(f"{where}.role {str(role)[:40]!r} is not one of {', '.join(ROLES)}", param=f"{where}.role",
+                              code="invalid_role")
         text = _text_of(message.get("content"), where)
         role = "system" if role == "developer" else role
         calls = message.get("tool_calls") if role == "assistant" else None

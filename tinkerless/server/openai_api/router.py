@@ -15,25 +15,28 @@ SSE `error` event of the same body.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from tinkerless.errors import ModelNotFoundError, ServerBusy, TinkerlessError
+from tinkerless.functions.token_stream import Cancellation
 from tinkerless.server.body import RequestTooLarge, read_body
 from tinkerless.server.openai_api.backend import CompletionBackend, OpenAIError, TokenSampling
 from tinkerless.server.openai_api.output import finish
 from tinkerless.server.openai_api.render import chat_format, check_tools, render_chat
 from tinkerless.server.openai_api.replies import ChatReply, CompletionReply
-from tinkerless.server.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from tinkerless.server.openai_api.schemas import ChatCompletionRequest, CompletionRequest, FieldError
 from tinkerless.server.openai_api.streaming import ChoiceText, chat_chunks, completion_chunks, open_streams, sse_response
 from tinkerless.wire.messages import GREEDY_BELOW
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MAX_TOKENS = 1024  # a chat completion without max_tokens (capped by the context and the backend)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (capped the same way)
@@ -46,8 +49,12 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
         status, kind, param, code = exc.status, exc.type, exc.param, exc.code
     elif isinstance(exc, ValidationError):
         first = exc.errors()[0]
+        refusal = (first.get("ctx") or {}).get("error")
+        if isinstance(refusal, FieldError):  # a model validator's: it names its own field and code
+            return 400, _error(str(refusal)[:500], "invalid_request_error", refusal.param, refusal.code)
         where = ".".join(str(part) for part in first.get("loc", ()))
-        message = f"{where + ': ' if where else ''}{first.get('msg', 'invalid value')}"
+        detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's, not ours
+        message = f"{where + ': ' if where else ''}{detail}"
         return 400, _error(message[:500], "invalid_request_error", where or None, "invalid_value")
     elif isinstance(exc, ModelNotFoundError):
         status, kind, param, code = 404, "invalid_request_error", "model", "model_not_found"
@@ -85,6 +92,11 @@ def openai_router(
     """The routes over `backend`. `caller(request)` names who is calling (a tenant, an episode);
     None means the request carries no valid API key (401)."""
     router = APIRouter()
+    # Backends written against the protocol before `cancel` existed still work: they are just not cancelled.
+    cancellable = "cancel" in inspect.signature(backend.sample).parameters
+
+    def sample_call(who: str, model: str, request: TokenSampling, cancel: Cancellation):
+        return backend.sample(who, model, request, cancel=cancel) if cancellable else backend.sample(who, model, request)
 
     async def who_and_body(request: Request, schema) -> tuple[str, Any]:
         who = caller(request)
@@ -105,6 +117,16 @@ def openai_router(
         if not isinstance(data, dict):
             raise OpenAIError("the request body must be a JSON object", code="invalid_json")
         return who, schema.model_validate(data)
+
+    def refuse_long_text(characters: int, param: str) -> None:
+        """Refuse a prompt that cannot fit, on its length in characters, before spending CPU on tokenizing it:
+        no token of the vocabulary spells more than `max_token_chars` characters (`prompt_char_limit`)."""
+        limit = getattr(backend, "prompt_char_limit", None)
+        if limit is not None and characters > limit:
+            raise OpenAIError(
+                f"the prompt is {characters} characters long, more than the {backend.max_prompt_tokens} tokens this "
+                f"server takes could hold", param=param, code="context_length_exceeded",
+                hint="shorten the prompt")
 
     def context_cap(prompt_length: int) -> int:
         """max_tokens when the request gives none: the backend's default, within what the context leaves."""
@@ -140,9 +162,13 @@ def openai_router(
                 raise OpenAIError("missing or invalid API key", status=401, code="invalid_api_key")
             names = await asyncio.to_thread(backend.models, who)
             if model not in names:
-                from tinkerless.server.openai_api.backend import unknown_model
+                # Every name the POST routes accept resolves here too (aliases of the base model, checkpoints).
+                resolve = getattr(backend, "resolve", None)
+                if resolve is None:
+                    from tinkerless.server.openai_api.backend import unknown_model
 
-                raise unknown_model(model, names)
+                    raise unknown_model(model, names)
+                await asyncio.to_thread(resolve, who, model)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return JSONResponse(_model_card(model))
@@ -151,6 +177,7 @@ def openai_router(
     async def chat_completions(request: Request) -> Response:
         try:
             who, body = await who_and_body(request, ChatCompletionRequest)
+            refuse_long_text(_characters(body.messages), "messages")
             tokenizer = backend.tokenizer()
             tools = check_tools(body.tools) if body.tool_choice != "none" else []
             prompt_ids = await asyncio.to_thread(render_chat, tokenizer, body.messages, tools or None)
@@ -163,7 +190,9 @@ def openai_router(
                 texts = [ChoiceText(tokenizer, request_sampling.stop_strings, stop_ids, top_logprobs=bool(top),
                                     hold_tool_calls=bool(tools)) for _ in range(body.n)]
                 return sse_response(request, chat_chunks(reply, streams, texts), streams, error_body)
-            choices = await backend.sample(who, body.model, request_sampling)
+            cancel = Cancellation()
+            choices = await _unless_disconnected(request, sample_call(who, body.model, request_sampling, cancel),
+                                                 [cancel])
             finished = [finish(tokenizer, c, request_sampling.stop_strings, stop_ids) for c in choices]
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
@@ -173,6 +202,8 @@ def openai_router(
     async def completions(request: Request) -> Response:
         try:
             who, body = await who_and_body(request, CompletionRequest)
+            for prompt in body.prompts():
+                refuse_long_text(len(prompt) if isinstance(prompt, str) else 0, "prompt")
             tokenizer = backend.tokenizer()
             stop_ids = list(chat_format(tokenizer).eos_token_ids)
             max_choices = getattr(backend, "max_choices", None)
@@ -194,7 +225,9 @@ def openai_router(
                          for r in requests for _ in range(body.n)]
                 return sse_response(request, completion_chunks(reply, streams, texts), streams, error_body)
             # Every prompt at once: the backend batches concurrent requests into one generation.
-            results = await asyncio.gather(*(backend.sample(who, body.model, r) for r in requests))
+            cancels = [Cancellation() for _ in requests]
+            results = await _unless_disconnected(request, asyncio.gather(
+                *(sample_call(who, body.model, r, c) for r, c in zip(requests, cancels))), cancels)
             finished = [finish(tokenizer, c, r.stop_strings, stop_ids) for r, choices in zip(requests, results)
                         for c in choices]
         except Exception as exc:  # noqa: BLE001
@@ -202,6 +235,24 @@ def openai_router(
         return JSONResponse(reply.full(finished))
 
     return router
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T], cancels: list[Cancellation]) -> T:
+    """Await `work`, cancelling its jobs if the client hangs up first: a non-streamed request whose client timed
+    out (and whose `openai` client retries it) must not keep generating for nobody. The jobs end at their next
+    decode step, or never start if still queued; `work` then returns what they have, which nobody reads."""
+
+    async def watch() -> None:  # the body has been read: the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        for cancel in cancels:
+            cancel.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await work
+    finally:
+        watcher.cancel()
 
 
 def _temperature(value: float | None) -> float:
@@ -217,6 +268,19 @@ def _encode(tokenizer, text: str) -> list[int]:
     if not ids:
         raise OpenAIError("the prompt is empty (it encodes to no tokens)", param="prompt")
     return ids
+
+
+def _characters(value: Any, depth: int = 0) -> int:
+    """Characters of text anywhere in the messages (contents, text parts, tool calls), without tokenizing."""
+    if isinstance(value, str):
+        return len(value)
+    if depth > 8:
+        return 0
+    if isinstance(value, dict):
+        return sum(_characters(v, depth + 1) for v in value.values())
+    if isinstance(value, list):
+        return sum(_characters(v, depth + 1) for v in value)
+    return 0
 
 
 def _model_card(name: str) -> dict:

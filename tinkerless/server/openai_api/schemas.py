@@ -17,6 +17,15 @@ MAX_TOP_LOGPROBS = 20
 _INT64 = 2**63
 
 
+class FieldError(ValueError):
+    """A model validator's refusal that names its field and code, as the OpenAI error body carries them."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -40,13 +49,16 @@ class _Sampling(_Body):
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported by this server; leave them 0")
+        for penalty in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, penalty):
+                raise FieldError(f"{penalty} is not supported by this server; leave it 0", penalty,
+                                 "unsupported_parameter")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server; leave it empty")
+            raise FieldError("logit_bias is not supported by this server; leave it empty", "logit_bias",
+                             "unsupported_parameter")
         stops = self.stop_strings
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings")
+            raise FieldError(f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings", "stop")
         return self
 
     @property
@@ -69,9 +81,10 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _chat_supported(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs needs logprobs: true", "top_logprobs")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than {'type': 'text'} is not supported by this server")
+            raise FieldError("response_format other than {'type': 'text'} is not supported by this server",
+                             "response_format", "unsupported_parameter")
         return self
 
     @property
@@ -93,13 +106,14 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _completion_supported(self):
         if self.echo:
-            raise ValueError("echo is not supported by this server")
+            raise FieldError("echo is not supported by this server", "echo", "unsupported_parameter")
         if self.suffix:
-            raise ValueError("suffix (insertion) is not supported by this server")
+            raise FieldError("suffix (insertion) is not supported by this server", "suffix", "unsupported_parameter")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (or be left out): this server returns every sample")
+            raise FieldError("best_of must equal n (or be left out): this server returns every sample", "best_of",
+                             "unsupported_parameter")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt is an empty list")
+            raise FieldError("prompt is an empty list", "prompt")
         return self
 
     def prompts(self) -> list[str | list[int]]:

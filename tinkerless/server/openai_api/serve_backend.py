@@ -18,12 +18,13 @@ same job, with a `TokenStream` that receives each token as the engine draws it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 from typing import Any
 
 from tinkerless.errors import ServerBusy
 from tinkerless.functions.models import model_aliases, public_model_id
-from tinkerless.functions.token_stream import TokenStream, replay
+from tinkerless.functions.token_stream import Cancellation, TokenStream, replay
 from tinkerless.server.limits import ServingLimits
 from tinkerless.server.openai_api.adapters import SLOT_PREFIX, AdapterCache, AdapterNames, AdapterRef, NotFound
 from tinkerless.server.openai_api.backend import OpenAIError, SampledChoice, TokenSampling, unknown_model
@@ -50,9 +51,39 @@ class ServeBackend:
         self.max_choices = self.limits.max_samples  # choices one request may ask for, all prompts together
         self.default_max_tokens = min(1024, self.limits.max_tokens)  # a request without max_tokens
         self.cancelled_choices = 0  # choices whose stream's reader hung up mid-generation (statistics, tests)
+        self._jobs: set[TokenStream | Cancellation] = set()  # the cancel handles of jobs queued or running
+
+    def cancel_all(self) -> int:
+        """Cancel every job this backend queued that has not ended (shutdown): queued ones never run, running
+        ones end at their next decode step. The number cancelled."""
+        jobs = list(self._jobs)
+        for job in jobs:
+            job.cancel()
+        return len(jobs)
 
     def tokenizer(self) -> Any:
         return self.worker.tokenizer
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt a request may send: the server's limit, within the model's context."""
+        return min(self.limits.max_prompt_tokens, self.context_length or self.limits.max_prompt_tokens)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters the longest token of the vocabulary spells (a byte-level or sentencepiece vocabulary
+        spells each byte with one character, so no token decodes to more characters than this)."""
+        vocab = self.worker.tokenizer.get_vocab()
+        return max((len(token) for token in vocab), default=1)
+
+    @property
+    def prompt_char_limit(self) -> int:
+        """A prompt of more characters than this is surely over `max_prompt_tokens`: refused untokenized."""
+        return self.max_prompt_tokens * self.max_token_chars
+
+    def resolve(self, caller: str, model: str) -> None:
+        """Raise the 404 the POST routes would for `model` (an alias, a live policy, a checkpoint); else nothing."""
+        self._resolve(caller, model)
 
     # -- names ---------------------------------------------------------------------------
 
@@ -114,8 +145,14 @@ class ServeBackend:
                     hint=f"ask for less, or start `tinkerless serve` with a larger {ServingLimits.flag(name)}",
                 )
 
-    async def sample(self, caller: str, model: str, request: TokenSampling) -> list[SampledChoice]:
-        future = await self._submit(caller, model, request, None)
+    async def sample(
+        self, caller: str, model: str, request: TokenSampling, cancel: Cancellation | None = None
+    ) -> list[SampledChoice]:
+        """The whole choices; with `cancel`, a caller that hangs up ends the job (queued: it never runs)."""
+        cancel = cancel or Cancellation()
+        future = await self._submit(caller, model, request, cancel)
+        self._jobs.add(cancel)
+        future.add_done_callback(lambda _: self._jobs.discard(cancel))
         # Shielded: a client that hangs up must not cancel a job that may be loading an adapter.
         return await asyncio.shield(asyncio.wrap_future(future))
 
@@ -125,6 +162,8 @@ class ServeBackend:
         the checks refuse raises here, before anything is streamed; cancelling the stream ends the job."""
         stream = TokenStream(asyncio.get_running_loop())
         future = await self._submit(caller, model, request, stream)
+        self._jobs.add(stream)
+        future.add_done_callback(lambda _: self._jobs.discard(stream))
 
         def done(f) -> None:  # on the scheduler's thread: the stream hands it to the loop
             if f.cancelled():
@@ -137,7 +176,8 @@ class ServeBackend:
         future.add_done_callback(done)
         return stream
 
-    async def _submit(self, caller: str, model: str, request: TokenSampling, stream: TokenStream | None):
+    async def _submit(self, caller: str, model: str, request: TokenSampling,
+                      stream: TokenStream | Cancellation | None):
         """Check `request`, resolve `model` and queue its job on the scheduler; the job's future."""
         self._check(request)
         kind, target = await asyncio.to_thread(self._resolve, caller, model)

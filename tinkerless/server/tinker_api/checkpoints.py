@@ -19,18 +19,16 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import re
 import urllib.parse
 from dataclasses import dataclass
 
 from tinkerless.errors import StorageNotFound, UserError
-from tinkerless.storage import CheckpointStore, ObjectStore
+from tinkerless.storage import CheckpointStore, ObjectStore, names
 from tinkerless.storage.layout import LATEST
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 EXPIRES = "expires.json"
 MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 366 * 86400  # the SDK's documented range: 1 hour to 10 years
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _STEP = 1  # a named checkpoint is a one-step CheckpointStore; saving again replaces that step
 
 MAX_RUN_ID = 200
@@ -62,12 +60,7 @@ class TinkerPath:
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise UserError(
-            f"invalid checkpoint name {name!r}",
-            hint="1-128 letters, digits, '.', '_' or '-', starting with a letter or digit",
-        )
-    return name
+    return names.check_name(name, names.CHECKPOINT_NAME)
 
 
 class CheckpointRegistry:
