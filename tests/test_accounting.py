@@ -56,8 +56,8 @@ def _run_summary(storage, run_id) -> dict:
 
 def _check_last_line_total(last: dict, usage: dict) -> None:
     """Only the final checkpoint, written after the last metrics line, separates its total from the run's."""
-    after_last_line = usage["gpu_seconds_total"] - last["gpu_s/total"]
-    assert 0 < after_last_line <= usage["gpu_seconds"]["storage"] + 1e-9
+    after_last_line = usage["compute_seconds_total"] - last["compute_s/total"]
+    assert 0 < after_last_line <= usage["compute_seconds"]["storage"] + 1e-9
 
 
 def _check_step_columns(records: list[dict], price_per_hour: float) -> None:
@@ -68,24 +68,24 @@ def _check_step_columns(records: list[dict], price_per_hour: float) -> None:
             # A step's checkpoint is written after its metrics line, so its storage time shows in the next line.
             if phase == "storage" and record["step"] == records[0]["step"]:
                 continue
-            assert record[f"gpu_s/{phase}"] > 0, (phase, record)
+            assert record[f"compute_s/{phase}"] > 0, (phase, record)
             # compute measured where it ran fits inside the client's wall time of the phase
-            assert record[f"gpu_s/{phase}"] <= record[f"{phase}_s"] + 1e-6
-        assert record["gpu_s/step"] == pytest.approx(sum(record[f"gpu_s/{p}"] for p in STEP_PHASES))
-        assert record["gpu_s/total"] >= previous_total + record["gpu_s/step"] - 1e-9  # cumulative (step 0 adds setup)
-        assert record["cost_usd"] == pytest.approx(record["gpu_s/total"] * price_per_hour / 3600)
-        previous_total = record["gpu_s/total"]
+            assert record[f"compute_s/{phase}"] <= record[f"{phase}_s"] + 1e-6
+        assert record["compute_s/step"] == pytest.approx(sum(record[f"compute_s/{p}"] for p in STEP_PHASES))
+        assert record["compute_s/total"] >= previous_total + record["compute_s/step"] - 1e-9  # cumulative (step 0 adds setup)
+        assert record["cost_usd"] == pytest.approx(record["compute_s/total"] * price_per_hour / 3600)
+        previous_total = record["compute_s/total"]
 
 
 def _check_summary(usage: dict, *, device: str, price_per_hour: float, calls: dict[str, int]) -> None:
     assert usage["device"] == device
     assert usage["price_per_hour"] == price_per_hour
-    assert set(usage["gpu_seconds"]) == set(PHASES)
-    assert all(usage["gpu_seconds"][p] > 0 for p in PHASES)
-    assert sum(usage["gpu_seconds"].values()) == pytest.approx(usage["gpu_seconds_total"])
-    assert sum(f["seconds"] for f in usage["by_function"].values()) == pytest.approx(usage["gpu_seconds_total"])
+    assert set(usage["compute_seconds"]) == set(PHASES)
+    assert all(usage["compute_seconds"][p] > 0 for p in PHASES)
+    assert sum(usage["compute_seconds"].values()) == pytest.approx(usage["compute_seconds_total"])
+    assert sum(f["seconds"] for f in usage["by_function"].values()) == pytest.approx(usage["compute_seconds_total"])
     assert {m: f["calls"] for m, f in usage["by_function"].items()} == calls
-    assert usage["cost_usd"] == pytest.approx(usage["gpu_seconds_total"] * price_per_hour / 3600)
+    assert usage["cost_usd"] == pytest.approx(usage["compute_seconds_total"] * price_per_hour / 3600)
 
 
 # ---- prices ----------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_run_usage_adds_and_prices_an_earlier_attempt():
     with usage.phase("update"):
         meter.record("update", 50.0)
     summary = usage.summary()
-    assert summary["gpu_seconds"] == {"setup": 0.0, "rollout": 100.0, "forward": 0.0, "update": 50.0, "storage": 0.0}
+    assert summary["compute_seconds"] == {"setup": 0.0, "rollout": 100.0, "forward": 0.0, "update": 50.0, "storage": 0.0}
     assert summary["by_function"] == {"rollout": {"seconds": 100.0, "calls": 4}, "update": {"seconds": 50.0, "calls": 1}}
     assert summary["cost_usd"] == pytest.approx(150.0 * 3.6 / 3600)  # the price given now covers the earlier seconds
     with pytest.warns(UserWarning, match="'cuda'"):
@@ -204,7 +204,7 @@ def test_local_run_records_seconds_per_phase_and_function(local_run):
 
 def test_price_override_changes_the_cost(local_run):
     _, _, result = local_run
-    seconds = result.usage["gpu_seconds_total"]
+    seconds = result.usage["compute_seconds_total"]
     assert result.usage["cost_usd"] == pytest.approx(seconds * 7.2 / 3600) and result.usage["cost_usd"] > 0
     assert PriceTable().cost("cpu", seconds) == 0.0  # without the override the local CPU is free
 
@@ -218,14 +218,14 @@ def test_final_report_and_runs_listing_show_usage(local_run, capsys):
     header, *rows = out.strip().splitlines()
     assert "GPU-SECONDS" in header and "COST" in header
     (row,) = [r for r in rows if r.startswith("acct-local ")]
-    assert row.split()[-3:] == [f"{usage['gpu_seconds_total']:.1f}", format_cost(usage["cost_usd"]), "cpu"]
+    assert row.split()[-3:] == [f"{usage['compute_seconds_total']:.1f}", format_cost(usage["cost_usd"]), "cpu"]
 
     from tinkerless.sdk.trainer import _final_report
 
     report = _final_report(result)
     match = re.search(r"compute: (\d+\.\d+) CPU-seconds on cpu \(setup \d+\.\d+, rollout \d+\.\d+, forward ", report)
     assert match, report
-    assert float(match.group(1)) == pytest.approx(usage["gpu_seconds_total"], abs=0.01)
+    assert float(match.group(1)) == pytest.approx(usage["compute_seconds_total"], abs=0.01)
     assert f"{format_cost(usage['cost_usd'])} at $7.20/h" in report
 
 
@@ -235,11 +235,11 @@ def test_resumed_run_adds_to_the_earlier_usage(local_run, tiny_model, capsys):
     # one more step at a flat $3600/h ($1 per second), on the same worker
     resumed = _train(tiny_model, storage, backend, run_id="acct-local", steps=3, resume=True, price_per_hour=3600.0)
     usage = resumed.usage
-    added = usage["gpu_seconds_total"] - before["gpu_seconds_total"]
+    added = usage["compute_seconds_total"] - before["compute_seconds_total"]
     assert added > 0
     assert usage["cost_usd"] == pytest.approx(before["cost_usd"] + added * 1.0)
     # every phase and function total only grew: the earlier attempt's compute stays billed
-    assert all(usage["gpu_seconds"][p] >= before["gpu_seconds"][p] for p in PHASES)
+    assert all(usage["compute_seconds"][p] >= before["compute_seconds"][p] for p in PHASES)
     assert usage["by_function"]["load_state"]["calls"] == 1 and usage["by_function"]["rollout"]["calls"] == 3
     assert _run_summary(storage, "acct-local")["usage"] == usage
     last = read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
@@ -334,3 +334,21 @@ def test_backend_without_usage_is_billed_at_client_wall_time(tiny_model, tmp_pat
     calls = {"info": 1, "create_policy": 1, "rollout": 1, "forward": 1, "update": 1, "save_state": 1}
     _check_summary(usage, device="cpu", price_per_hour=36.0, calls=calls)
     assert usage["measured_by"].startswith("client wall time") and usage["client_timed_calls"] == sum(calls.values())
+
+
+def test_metrics_and_usage_written_before_the_rename_still_read(tmp_path):
+    """Runs written while the figures were called gpu_s / gpu_seconds: their metrics, listing and resume."""
+    from tinkerless.sdk.accounting import latest_usage, seconds_by_phase, seconds_total
+    from tinkerless.sdk.metrics import plot_metrics, read_metrics
+
+    old = tmp_path / "metrics.jsonl"
+    old.write_text('{"step": 0, "reward_mean": 0.5, "loss": 0.1, "gpu_s/rollout": 1.5, "gpu_s/total": 2.0}\n'
+                   '{"step": 1, "reward_mean": 0.7, "loss": 0.1, "gpu_s/rollout": 1.0, "gpu_s/total": 3.5}\n')
+    records = read_metrics(old)
+    assert [r["compute_s/total"] for r in records] == [2.0, 3.5] and "gpu_s/total" not in records[0]
+    assert plot_metrics(old, tmp_path / "metrics.png")
+    usage = {"device": "cuda", "gpu_seconds": {"rollout": 3.0}, "gpu_seconds_total": 3.0, "cost_usd": None}
+    assert seconds_total(usage) == 3.0 and seconds_by_phase(usage) == {"rollout": 3.0}
+    assert latest_usage({"usage": usage}) is usage
+    prior_run = RunUsage(UsageMeter(device="cuda"), PriceTable({"cuda": 3.6}), prior=usage)
+    assert prior_run.total_seconds() == 3.0 and prior_run.summary()["compute_seconds"]["rollout"] == 3.0

@@ -299,4 +299,4 @@ def test_ctrl_c_in_process_names_the_real_run_id(tmp_path, tiny_model, capsys):
     assert "run ctrl-c-run interrupted by SIGINT (last checkpoint step-2)" in err
     assert f"tinkerless train {file} --resume --run-id ctrl-c-run" in err and "<id>" not in err
     state = json.loads((tmp_path / "s/runs/ctrl-c-run/state.json").read_text())
-    assert state["status"] == "interrupted" and state["summary"]["usage"]["gpu_seconds_total"] >= 0
+    assert state["status"] == "interrupted" and state["summary"]["usage"]["compute_seconds_total"] >= 0

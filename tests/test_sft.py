@@ -53,9 +53,9 @@ def test_sft_run_lowers_nll_and_leaves_what_an_rl_run_leaves(tiny_model, tmp_pat
     assert records[-1]["train_nll"] < records[0]["train_nll"]  # it learns the replies
     evals = [r["eval_nll"] for r in records if "eval_nll" in r]
     assert len(evals) == 3 and evals[-1] < evals[0]  # and generalises to the held-out split
-    assert all(r["trained_tokens"] > 0 and r["gpu_s/total"] > 0 for r in records)
+    assert all(r["trained_tokens"] > 0 and r["compute_s/total"] > 0 for r in records)
     assert result.plot_path.is_file() and result.plot_path.stat().st_size > 1000
-    assert result.usage["gpu_seconds"]["update"] > 0 and result.usage["device"] == "cpu"
+    assert result.usage["compute_seconds"]["update"] > 0 and result.usage["device"] == "cpu"
     # Verified checkpoints at 3 and 6, each a standard PEFT adapter plus the driver's state.
     store = CheckpointStore(ObjectStore(str(tmp_path)), "runs/s1/checkpoints")
     assert store.steps() == [3, 6]

@@ -71,12 +71,14 @@ def run_on_modal(config: Any, classes: dict, settings: ModalConfig, *, run_id: s
         fetch = f"modal volume get {settings.volume_name} {where}/checkpoints runs/{run_id}"
     else:
         fetch = f"{result['storage']}/runs/{run_id}/checkpoints"
+    from tinkerless.sdk.accounting import seconds_total
+
     usage = result.get("usage") or {}
     cost = usage.get("cost_usd")
     print(
         f"run {run_id} {'resumed and ' if result['resumed'] else ''}finished on Modal; last checkpoint "
         f"step-{result['last_checkpoint_step']}\n  metrics: {metrics}\n"
-        f"  compute: {usage.get('gpu_seconds_total', 0.0):.1f} GPU-seconds on {usage.get('device') or 'Modal'}"
+        f"  compute: {seconds_total(usage):.1f} GPU-seconds on {usage.get('device') or 'Modal'}"
         f"{f', about ${cost:.2f}' if cost is not None else ''}\n"
         f"  checkpoints: {fetch}\n"
         f"  resume or extend: modal run <this file> --run-id {run_id} [--steps N]",

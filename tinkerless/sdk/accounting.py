@@ -161,11 +161,11 @@ class RunUsage:
             self.step_phases[name] += seconds
 
     def total_seconds(self) -> float:
-        return sum(self.phases.values()) + float(self.prior.get("gpu_seconds_total", 0.0))
+        return sum(self.phases.values()) + seconds_total(self.prior)
 
     def cost_usd(self) -> float | None:
         cost = self.prices.cost(self.device, sum(self.phases.values()))
-        prior_seconds = float(self.prior.get("gpu_seconds_total", 0.0))
+        prior_seconds = seconds_total(self.prior)
         prior_cost = self.prior.get("cost_usd", 0.0)
         if prior_cost is None and prior_seconds > 0:
             # Earlier seconds had no price; one given now (e.g. on resume) prices them too.
@@ -180,9 +180,10 @@ class RunUsage:
 
         Each call starts the next line's count, so work done between two lines (a step's
         checkpoint, written after its line) lands in the next one."""
-        columns: dict[str, float | None] = {f"gpu_s/{p}": self.step_phases[p] for p in PHASES if p != "setup"}
-        columns["gpu_s/step"] = sum(v for p, v in self.step_phases.items() if p != "setup")
-        columns["gpu_s/total"] = self.total_seconds()
+        # compute_s: device-seconds on whatever device ran them (the summary names it), CPU or GPU alike.
+        columns: dict[str, float | None] = {f"compute_s/{p}": self.step_phases[p] for p in PHASES if p != "setup"}
+        columns["compute_s/step"] = sum(v for p, v in self.step_phases.items() if p != "setup")
+        columns["compute_s/total"] = self.total_seconds()
         columns["cost_usd"] = self.cost_usd()
         queued = self.meter.queue_seconds()  # a backend without a queue (local) reports 0
         columns["queue_s"], self._queue_mark = queued - self._queue_mark, queued
@@ -191,7 +192,7 @@ class RunUsage:
 
     def summary(self) -> dict:
         """Plain data for the run state: seconds per phase and per function, device, price, cost."""
-        prior_phases = self.prior.get("gpu_seconds", {})
+        prior_phases = seconds_by_phase(self.prior)
         phases = {p: self.phases[p] + float(prior_phases.get(p, 0.0)) for p in PHASES}
         seconds, calls = self.meter.seconds(), self.meter.calls()
         by_function: dict[str, dict] = {}
@@ -208,8 +209,8 @@ class RunUsage:
             "measured_by": self.meter.source,
             "client_timed_calls": client_timed + int(self.prior.get("client_timed_calls", 0)),
             "price_per_hour": self.prices.per_hour(self.device),
-            "gpu_seconds": phases,
-            "gpu_seconds_total": sum(phases.values()),
+            "compute_seconds": phases,
+            "compute_seconds_total": sum(phases.values()),
             "by_function": by_function,
             "cost_usd": self.cost_usd(),
         }
@@ -218,14 +219,39 @@ class RunUsage:
 def latest_usage(run_summary: Mapping) -> dict | None:
     """The most complete usage an earlier attempt of a run left in its state (cumulative, so the largest)."""
     candidates = [run_summary.get("usage"), (run_summary.get("last_metrics") or {}).get("usage")]
-    candidates = [c for c in candidates if isinstance(c, dict) and isinstance(c.get("gpu_seconds_total"), (int, float))]
-    return max(candidates, key=lambda c: c["gpu_seconds_total"], default=None)
+    candidates = [c for c in candidates if isinstance(c, dict) and _total_key(c) is not None]
+    return max(candidates, key=seconds_total, default=None)
+
+
+# Usage written before tinkerless named these figures for any device called them gpu_seconds / gpu_s: still read.
+_TOTAL_KEYS = ("compute_seconds_total", "gpu_seconds_total")
+
+
+def _total_key(usage: Mapping) -> str | None:
+    return next((k for k in _TOTAL_KEYS if isinstance(usage.get(k), (int, float))), None)
+
+
+def seconds_total(usage: Mapping) -> float:
+    """A usage summary's total device-seconds, whichever version of tinkerless wrote it (0 without one)."""
+    key = _total_key(usage)
+    return float(usage[key]) if key is not None else 0.0
+
+
+def seconds_by_phase(usage: Mapping) -> dict:
+    """A usage summary's device-seconds per phase, whichever version wrote it."""
+    phases = usage.get("compute_seconds", usage.get("gpu_seconds", {}))
+    return phases if isinstance(phases, dict) else {}
+
+
+def renamed_metric(key: str) -> str:
+    """A metrics.jsonl column under its current name (`gpu_s/...` became `compute_s/...`)."""
+    return "compute_s/" + key[len("gpu_s/"):] if key.startswith("gpu_s/") else key
 
 
 def format_usage(usage: Mapping) -> str:
     """One line for the final report: seconds, their split by phase, and the cost."""
     kind = "CPU" if usage.get("device") == "cpu" else "GPU"
-    phases = ", ".join(f"{p} {_seconds(s)}" for p, s in usage.get("gpu_seconds", {}).items() if s > 0)
+    phases = ", ".join(f"{p} {_seconds(s)}" for p, s in seconds_by_phase(usage).items() if s > 0)
     rate = usage.get("price_per_hour")
     cost = format_cost(usage.get("cost_usd"))
     priced = f"{cost} at ${rate:.2f}/h" if rate is not None else f"cost n/a ({_PRICE_HINT})"
@@ -234,7 +260,7 @@ def format_usage(usage: Mapping) -> str:
     if client_timed and not source.startswith("client"):
         source += f", {client_timed} calls timed by the client"
     return (
-        f"{_seconds(usage.get('gpu_seconds_total', 0.0))} {kind}-seconds on {usage.get('device')} ({phases or 'none'}), "
+        f"{_seconds(seconds_total(usage))} {kind}-seconds on {usage.get('device')} ({phases or 'none'}), "
         f"measured by {source}; {priced}"
     )
 

@@ -294,7 +294,7 @@ def _keys(args) -> int:
 
 def _runs(args) -> int:
     from tinkerless.coordinator import list_runs
-    from tinkerless.sdk.accounting import format_cost, latest_usage
+    from tinkerless.sdk.accounting import format_cost, latest_usage, seconds_total
     from tinkerless.storage import ObjectStore
 
     if args.server:
@@ -324,7 +324,7 @@ def _runs(args) -> int:
             reward = f"SFT nll {_fmt(s.get('train_nll_first'))} → {_fmt(s.get('train_nll_last'))}" if "train_nll_last" in s else "SFT"
         ckpt = "-" if run.last_checkpoint_step is None else f"step-{run.last_checkpoint_step}"
         usage = latest_usage(s)  # from the finish summary or, for a run still going, its last committed step
-        seconds = "-" if usage is None else f"{usage['gpu_seconds_total']:.1f}"
+        seconds = "-" if usage is None else f"{seconds_total(usage):.1f}"
         cost = "-" if usage is None else format_cost(usage.get("cost_usd"))
         device = "-" if usage is None else usage.get("device", "?")
         print(

@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from tinkerless.sdk.accounting import renamed_metric
+
 
 class MetricsWriter:
     """Appends one JSON line per `log` call to `path`, flushed immediately."""
@@ -63,7 +65,7 @@ def read_metrics(path: str | Path) -> list[dict]:
                 warnings.warn(f"{path}:{number}: skipping a line that is not valid JSON", stacklevel=2)
             continue
         if isinstance(record, dict):
-            records.append(record)
+            records.append({renamed_metric(k): v for k, v in record.items()})  # older files: current names
     return records
 
 

@@ -24,7 +24,7 @@ class Progress:
             loss=_fmt(record.get("loss"), 3, "g"),
             tok_s=_fmt(record.get("tokens_per_s"), 1),
             err=record.get("episodes_error", 0),
-            gpu_s=_fmt(record.get("gpu_s/total"), 1),
+            compute_s=_fmt(record.get("compute_s/total"), 1),
             trunc=_percent(record.get("episodes_truncated_frac")),
             cost=_cost(record),
             refresh=False,
