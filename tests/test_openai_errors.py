@@ -53,6 +53,8 @@ CASES = [  # (route, body, expected param, expected code)
     ("chat", {"messages": [*HI, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages[1].tool_calls[0].function.arguments", "invalid_tool_arguments"),
+    ("chat", {"messages": [*HI, {"role": "assistant", "tool_calls": [None]}]}, "messages[1].tool_calls[0]",
+     "invalid_value"),  # found by the fuzz at a larger count: a TypeError (500) before
     ("completions", {"prompt": ""}, "prompt", "invalid_value"),
     ("completions", {"prompt": []}, "prompt", "invalid_value"),
     ("chat", {"messages": HI, "stop": ["", "x"]}, "stop", "invalid_value"),

@@ -107,8 +107,8 @@ def _text_of(content: Any, where: str) -> str:
     raise OpenAIError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
 
 
-def _arguments_of(call: dict, where: str) -> dict:
-    """A tool call's arguments as an object (OpenAI sends them as a JSON string)."""
+def _call_of(call: Any, where: str) -> tuple[str, dict]:
+    """A tool call's (name, arguments as an object): OpenAI sends the arguments as a JSON string."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise OpenAIError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", param=where)
@@ -122,7 +122,7 @@ def _arguments_of(call: dict, where: str) -> dict:
     if not isinstance(arguments, dict):
         raise OpenAIError(f"{where}.function.arguments must be a JSON object", param=f"{where}.function.arguments",
                           code="invalid_tool_arguments")
-    return arguments
+    return function["name"], arguments
 
 
 def normalize_messages(messages: Any, *, template_tools: bool) -> list[dict]:
@@ -144,7 +144,7 @@ def normalize_messages(messages: Any, *, template_tools: bool) -> list[dict]:
         calls = message.get("tool_calls") if role == "assistant" else None
         if calls is not None and not isinstance(calls, list):
             raise OpenAIError(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
-        parsed = [(c["function"]["name"], _arguments_of(c, f"{where}.tool_calls[{j}]")) for j, c in enumerate(calls or [])]
+        parsed = [_call_of(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls or [])]
         if template_tools:
             entry: dict = {"role": role, "content": text}
             if parsed:
