@@ -21,7 +21,7 @@ import tempfile
 import time
 
 import tinkerless
-from tinkerless.functions.agent_functions import run_agent_episodes
+from tinkerless.functions.hosting.agent_functions import run_agent_episodes
 from tinkerless.functions.models import build_tiny_model
 from tinkerless.functions.worker import Worker
 from tinkerless.wire.messages import BASE_POLICY, EpisodeLimits, SamplingParams

@@ -21,8 +21,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def measure(example: str, args) -> dict:
-    from tinkerless.sdk.cli import load_config
-    from tinkerless.sdk.evaluate import evaluate
+    from tinkerless.sdk.cli.main import load_config
+    from tinkerless.sdk.evaluation.evaluate import evaluate
 
     config = load_config(str(EXAMPLES / f"{example}.py")).replace(model=args.model, progress=False)
     runs = []

@@ -33,8 +33,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 from tinkerless.functions.models import build_tiny_model  # noqa: E402
-from tinkerless.sdk.backends import call  # noqa: E402
-from tinkerless.sdk.http_backend import HTTPBackend  # noqa: E402
+from tinkerless.sdk.backends.base import call  # noqa: E402
+from tinkerless.sdk.backends.http import HTTPBackend  # noqa: E402
 from tinkerless.server.keys import KeyStore  # noqa: E402
 from tinkerless.server.limits import ServingLimits  # noqa: E402
 from tinkerless.storage import ObjectStore  # noqa: E402
@@ -48,7 +48,7 @@ def free_port() -> int:
 
 
 def start_server(model: str, storage: str, port: int, slice_seconds: float, threads: int | None) -> subprocess.Popen:
-    command = [sys.executable, "-c", "from tinkerless.sdk.cli import main; raise SystemExit(main())", "serve",
+    command = [sys.executable, "-c", "from tinkerless.sdk.cli.main import main; raise SystemExit(main())", "serve",
                "--model", model, "--storage", storage, "--port", str(port), "--slice-seconds", str(slice_seconds)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     if threads:

@@ -9,10 +9,10 @@ paid a fresh host, and a job that loaded code into the dying host could see its 
 """
 
 import sys, time, tempfile, concurrent.futures
-from tinkerless.functions import user_code
-from tinkerless.functions.user_code import UserCodeHosts
+from tinkerless.functions.hosting import user_code
+from tinkerless.functions.hosting.user_code import UserCodeHosts
 from tinkerless.functions.worker import Worker
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.server.keys import KeyStore
 from tinkerless.storage import ObjectStore

@@ -4,7 +4,7 @@
 
 One worker. The same rollout request (2 tasks x 4 copies of a two-call agent, `--max-tokens` per
 call, seeded sampling) runs in-process (no user-code hosts: the local backend / --single-user path)
-and sandboxed (`functions/hosted_agents.py`: the copies in the tenant's bubblewrap host, their
+and sandboxed (`functions/hosting/hosted_agents.py`: the copies in the tenant's bubblewrap host, their
 requests over the rollout's channel), alternating, after one warm-up round each. Prints:
 
 * seconds per rollout, median and minimum, each way, and their ratio;
@@ -31,9 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import tinkerless  # noqa: E402
-from tinkerless.functions.user_code import UserCodeHosts, tenant_scope  # noqa: E402
+from tinkerless.functions.hosting.user_code import UserCodeHosts, tenant_scope  # noqa: E402
 from tinkerless.functions.worker import Worker  # noqa: E402
-from tinkerless.sdk.http_backend import HTTPBackend  # noqa: E402
+from tinkerless.sdk.backends.http import HTTPBackend  # noqa: E402
 from tinkerless.server import create_app, serve_in_thread  # noqa: E402
 from tinkerless.server.keys import KeyStore  # noqa: E402
 from tinkerless.storage import ObjectStore  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> None:
     print(f"  host start (an agent that makes no call): a fresh tenant's first rollout {cold:.3f} s, its next {warm:.3f} s "
           f"(start cost {cold - warm:.3f} s)")
     fairness(worker, args, idle_yield=True)
-    from tinkerless.functions import hosted_agents  # the "before": the rollout holds the model while its copies work
+    from tinkerless.functions.hosting import hosted_agents  # the "before": the rollout holds the model while its copies work
 
     hosted_agents.slice_due = lambda: False
     fairness(worker, args, idle_yield=False)

@@ -21,8 +21,8 @@ import numpy as np
 
 from tinkerless.functions.losses import LossConfig
 from tinkerless.functions.worker import Worker
-from tinkerless.sdk.backends import LocalBackend, call
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.base import LocalBackend, call
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread as running
 from tinkerless.wire.messages import AdamParams, CreatePolicyRequest, Datum, LoraConfig, UpdateRequest

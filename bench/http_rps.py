@@ -23,8 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tinkerless.functions.models import build_tiny_model  # noqa: E402
 from tinkerless.functions.worker import Worker  # noqa: E402
-from tinkerless.sdk.backends import call  # noqa: E402
-from tinkerless.sdk.http_backend import HTTPBackend  # noqa: E402
+from tinkerless.sdk.backends.base import call  # noqa: E402
+from tinkerless.sdk.backends.http import HTTPBackend  # noqa: E402
 from tinkerless.server import create_app  # noqa: E402
 from tinkerless.server import serve_in_thread as running  # noqa: E402
 from tinkerless.wire.messages import CreatePolicyRequest, Datum, ForwardRequest  # noqa: E402

@@ -18,8 +18,8 @@ import tempfile
 
 import tinkerless
 from tinkerless.functions.worker import Worker
-from tinkerless.sdk.backends import LocalBackend
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.base import LocalBackend
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread as running
 

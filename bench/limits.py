@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from tinkerless.functions.micro_batches import plan_micro_batches
+from tinkerless.functions.training.micro_batches import plan_micro_batches
 
 PROMPTS, GROUP, NEW_TOKENS, TEMPERATURE = 8, 4, 12, 0.7
 

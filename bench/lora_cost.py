@@ -1,7 +1,7 @@
 """What a LoRA adapter costs when sampling, against the base model, in the engine alone (no HTTP).
 
     OMP_NUM_THREADS=2 PYTHONPATH=. python bench/lora_cost.py [--model smollm2] [--rows 1 4 16] [--tokens 32] [--rounds 5]
-    TINKERLESS_LEAN_LORA=0 ... the same with peft's own LoRA forward (functions/lora_inference.py off)
+    TINKERLESS_LEAN_LORA=0 ... the same with peft's own LoRA forward (functions/sampling/lora_inference.py off)
 
 Greedy generations of `--tokens` tokens for `--rows` copies of one chat prompt, base model and a rank-16
 all-linear adapter (moved off its zero init) alternating, `--rounds` times; prints the median and best
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tinkerless.functions import lora_inference
+from tinkerless.functions.sampling import lora_inference
 from tinkerless.functions.worker import Worker
 from tinkerless.wire.messages import CreatePolicyRequest, LoraConfig, SamplingParams
 

@@ -31,8 +31,8 @@ from tinkerless.coordinator.state import checkpoint_prefix
 from tinkerless.functions.losses import LossConfig
 from tinkerless.functions.models import build_tiny_model
 from tinkerless.functions.worker import Worker
-from tinkerless.sdk.backends import call
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.base import call
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.server.openai_api import render_chat
 from tinkerless.storage import CheckpointStore, ObjectStore

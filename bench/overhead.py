@@ -49,8 +49,8 @@ def bare_steps(args) -> list[float]:
     from peft import LoraConfig, get_peft_model
 
     from tinkerless.functions.models import load_model
-    from tinkerless.sdk.tasks import TaskSource
-    from tinkerless.sdk.trainer import _step_seed
+    from tinkerless.sdk.run.tasks import TaskSource
+    from tinkerless.sdk.run.trainer import _step_seed
 
     model, tokenizer = load_model(args.model)
     with torch.random.fork_rng(devices=[]):

@@ -1,7 +1,7 @@
 """SFT tokens/s: tinkerless's update (cross_entropy through the local backend) vs a plain transformers+peft loop.
 
 Both train the same LoRA (rank 16, alpha 32, all-linear) on the same batch of chat examples (the
-calculator agent's generated demonstrations, rendered by tinkerless.sdk.sft_data) with AdamW:
+calculator agent's generated demonstrations, rendered by tinkerless.sdk.sft.data) with AdamW:
 
 - tinkerless: `TrainingClient(LocalBackend(model)).update(data, cross_entropy)`: every request
   and reply goes through the wire codec, as on a remote backend;
@@ -27,7 +27,7 @@ import torch
 
 def batch_of_examples(tokenizer, end_of_turn: int, size: int):
     from tinkerless.envs.calculator import make_demonstrations
-    from tinkerless.sdk.sft_data import ChatRenderer, render_examples
+    from tinkerless.sdk.sft.data import ChatRenderer, render_examples
 
     demos = [(i + 1, {"messages": d["messages"]}) for i, d in enumerate(make_demonstrations(size, seed=1))]
     return render_examples(demos, ChatRenderer(tokenizer, end_of_turn), max_length=4096, source="demos")
@@ -68,9 +68,9 @@ def plain_loop(model_spec: str, examples, lr: float):
 
 
 def tinkerless_loop(model_spec: str, examples, lr: float):
-    from tinkerless.sdk.backends import LocalBackend
-    from tinkerless.sdk.client import TrainingClient
-    from tinkerless.sdk.sft import SFT_LOSS, datum
+    from tinkerless.sdk.backends.base import LocalBackend
+    from tinkerless.sdk.backends.client import TrainingClient
+    from tinkerless.sdk.sft.loop import SFT_LOSS, datum
     from tinkerless.wire.messages import AdamParams
 
     backend = LocalBackend(model_spec, threads=torch.get_num_threads())
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from tinkerless.functions.chat import ChatFormat
+    from tinkerless.functions.rollout.chat import ChatFormat
     from tinkerless.functions.models import build_tiny_model, cache_dir, load_model
 
     spec = build_tiny_model(cache_dir() / "models" / "tiny-qwen2-h64-l2-s0") if args.model == "tiny" else args.model

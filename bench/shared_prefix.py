@@ -1,4 +1,4 @@
-"""One update with each group's prompt run once (`functions/shared_prefix.py`) against every row's own forward.
+"""One update with each group's prompt run once (`functions/training/shared_prefix.py`) against every row's own forward.
 
     PYTHONPATH=. python bench/shared_prefix.py [--model smollm2] [--repeats 3] [--threads 2]
 
@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from tinkerless.functions import shared_prefix, training
+    from tinkerless.functions.training import shared_prefix, forward_backward as training
     from tinkerless.functions.losses import LossConfig
     from tinkerless.functions.worker import Worker
     from tinkerless.wire.messages import AdamParams, CreatePolicyRequest, LoraConfig, UpdateRequest

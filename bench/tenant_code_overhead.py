@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/tenant_code_overhead.py [--steps 3] [--model smollm2] [--rounds 2]
 
 Two servers on 127.0.0.1 with the same model: one multi-tenant (each tenant's env and
-reward run in its bubblewrap-sandboxed host, `tinkerless/functions/user_code.py`), one
+reward run in its bubblewrap-sandboxed host, `tinkerless/functions/hosting/user_code.py`), one
 `--single-user` (user code in the server process). Each example runs `--steps` steps as
 a tenant with an API key on each server, alternating, `--rounds` times after one warm-up
 round (model load, the tenant host's start); the script prints the median and minimum
@@ -25,10 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import tinkerless  # noqa: E402
-from tinkerless.functions.user_code import UserCodeHost, UserCodeHosts  # noqa: E402
+from tinkerless.functions.hosting.user_code import UserCodeHost, UserCodeHosts  # noqa: E402
 from tinkerless.functions.worker import Worker  # noqa: E402
-from tinkerless.sdk.cli import load_config  # noqa: E402
-from tinkerless.sdk.http_backend import HTTPBackend  # noqa: E402
+from tinkerless.sdk.cli.main import load_config  # noqa: E402
+from tinkerless.sdk.backends.http import HTTPBackend  # noqa: E402
 from tinkerless.server import create_app, serve_in_thread  # noqa: E402
 from tinkerless.server.keys import KeyStore  # noqa: E402
 from tinkerless.storage import ObjectStore  # noqa: E402

@@ -39,7 +39,7 @@ def episode(length: int, turns: int, turn_tokens: int, vocab: int, seed: int):
 
 
 def child(args) -> dict:
-    from tinkerless.functions import training
+    from tinkerless.functions.training import forward_backward as training
     from tinkerless.functions.worker import Worker
     from tinkerless.wire.messages import AdamParams, CreatePolicyRequest, Datum, LoraConfig, UpdateRequest
     from tinkerless.functions.losses import LossConfig

@@ -143,7 +143,7 @@ class ScriptedClient:
     async def create(self, **request):
         from openai.types.chat import ChatCompletion
 
-        from tinkerless.server.openai_api.render import parse_tool_calls
+        from tinkerless.functions.openai_api.render import parse_tool_calls
 
         if len(self.calls) >= len(self.replies):
             raise RuntimeError(f"the agent made call {len(self.calls) + 1}; the script has {len(self.replies)} replies")
@@ -159,7 +159,7 @@ class ScriptedClient:
 def demonstration(rng: random.Random, tokenizer) -> dict:
     """One correct episode of `solve` as SFT chat data `{"messages": [...], "task": ...}`: the messages its last
     call sent plus the answer, as the router gives them to `tokenizer`'s chat template."""
-    from tinkerless.server.openai_api.render import template_messages
+    from tinkerless.functions.openai_api.render import template_messages
 
     task, expression = solved_calculation_problem(rng)
     call = json.dumps({"name": CALCULATOR["function"]["name"], "arguments": {"expression": expression}})

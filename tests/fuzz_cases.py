@@ -322,9 +322,9 @@ def _encode(body: Any) -> bytes:
 
 def prepare(target: Target) -> Target:
     """Give the fuzzed tenant a policy, a run with its lease, a Tinker session and training model."""
-    from tinkerless.sdk.http_backend import HTTPBackend
-    from tinkerless.sdk.server_runs import ServerRunHost
-    from tinkerless.sdk.backends import call
+    from tinkerless.sdk.backends.http import HTTPBackend
+    from tinkerless.sdk.backends.server_runs import ServerRunHost
+    from tinkerless.sdk.backends.base import call
 
     backend = HTTPBackend(target.url, api_key=target.keys["alice"])
     call(backend, "create_policy", CreatePolicyRequest(POLICY, LoraConfig(rank=2)))
@@ -343,8 +343,8 @@ def prepare(target: Target) -> Target:
 
 def still_serves(target: Target) -> None:
     """A normal call after the fuzzing: the server is up and its model answers."""
-    from tinkerless.sdk.backends import call
-    from tinkerless.sdk.http_backend import HTTPBackend
+    from tinkerless.sdk.backends.base import call
+    from tinkerless.sdk.backends.http import HTTPBackend
 
     backend = HTTPBackend(target.url, api_key=target.keys["bob"])
     result = call(backend, "sample", SampleRequest("base", [[1, 2, 3]], 2, SamplingParams(max_tokens=3)))

@@ -12,11 +12,11 @@ import pytest
 import tinkerless
 from tinkerless.coordinator import Coordinator
 from tinkerless.errors import ConfigError
-from tinkerless.sdk.accounting import COMPUTE_SECONDS_HEADER, PHASES, PriceTable, RunUsage, UsageMeter, format_cost
-from tinkerless.sdk.backends import LocalBackend, call
-from tinkerless.sdk.cli import main
-from tinkerless.sdk.http_backend import HTTPBackend
-from tinkerless.sdk.metrics import read_metrics
+from tinkerless.sdk.run.accounting import COMPUTE_SECONDS_HEADER, PHASES, PriceTable, RunUsage, UsageMeter, format_cost
+from tinkerless.sdk.backends.base import LocalBackend, call
+from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.backends.http import HTTPBackend
+from tinkerless.sdk.run.metrics import read_metrics
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.storage import ObjectStore
 
@@ -220,7 +220,7 @@ def test_final_report_and_runs_listing_show_usage(local_run, capsys):
     (row,) = [r for r in rows if r.startswith("acct-local ")]
     assert row.split()[-3:] == [f"{usage['compute_seconds_total']:.1f}", format_cost(usage["cost_usd"]), "cpu"]
 
-    from tinkerless.sdk.trainer import _final_report
+    from tinkerless.sdk.run.trainer import _final_report
 
     report = _final_report(result)
     match = re.search(r"compute: (\d+\.\d+) CPU-seconds on cpu \(setup \d+\.\d+, rollout \d+\.\d+, forward ", report)
@@ -338,8 +338,8 @@ def test_backend_without_usage_is_billed_at_client_wall_time(tiny_model, tmp_pat
 
 def test_metrics_and_usage_written_before_the_rename_still_read(tmp_path):
     """Runs written while the figures were called gpu_s / gpu_seconds: their metrics, listing and resume."""
-    from tinkerless.sdk.accounting import latest_usage, seconds_by_phase, seconds_total
-    from tinkerless.sdk.metrics import plot_metrics, read_metrics
+    from tinkerless.sdk.run.accounting import latest_usage, seconds_by_phase, seconds_total
+    from tinkerless.sdk.run.metrics import plot_metrics, read_metrics
 
     old = tmp_path / "metrics.jsonl"
     old.write_text('{"step": 0, "reward_mean": 0.5, "loss": 0.1, "gpu_s/rollout": 1.5, "gpu_s/total": 2.0}\n'

@@ -1,4 +1,4 @@
-"""Hand-computed checks of tinkerless.sdk.advantages.
+"""Hand-computed checks of tinkerless.sdk.run.advantages.
 
 Shared example: 7 episodes in 3 interleaved groups.
 
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from tinkerless.errors import ConfigError, RewardError, UserError
-from tinkerless.sdk.advantages import (
+from tinkerless.sdk.run.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
     drop_constant_groups,

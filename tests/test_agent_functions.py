@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import tinkerless
-from tinkerless.functions.agent_functions import run_agent_episodes
-from tinkerless.server.openai_api.render import render_chat
+from tinkerless.functions.hosting.agent_functions import run_agent_episodes
+from tinkerless.functions.openai_api.render import render_chat
 from tinkerless.wire.messages import BASE_POLICY, EpisodeLimits, SamplingParams
 
 CALCULATOR = {"type": "function", "function": {
@@ -195,7 +195,7 @@ def test_config_refuses_an_agent_with_an_env_or_reward_and_bad_agent_settings():
 
 def test_a_multi_tenant_worker_runs_agent_rollouts_in_the_tenants_sandbox(worker):
     """No longer refused (issue #15): the copies run in the tenant's host; tests/test_agent_sandbox_attacks.py has more."""
-    from tinkerless.functions.user_code import UserCodeHosts, tenant_scope
+    from tinkerless.functions.hosting.user_code import UserCodeHosts, tenant_scope
     from tinkerless.wire import decode_message, encode_message, pack_code
     from tinkerless.wire.messages import RolloutRequest, RolloutResult
 
@@ -237,9 +237,9 @@ def test_train_an_agent_end_to_end_with_every_sequence_of_an_episode_trained(tin
 def test_a_tool_call_sent_back_re_serialized_is_spliced_back_as_the_sampled_ids(worker):
     """The model writes a tool call its own way; the router parses it into `tool_calls` and re-renders it
     with its own JSON spacing. The next prompt gets the sampled ids back, not the re-rendering."""
-    from tinkerless.functions.agent_functions import same_reply_checker
-    from tinkerless.functions.recording import EpisodeRecorder
-    from tinkerless.server.openai_api.render import parse_tool_calls
+    from tinkerless.functions.hosting.agent_functions import same_reply_checker
+    from tinkerless.functions.rollout.recording import EpisodeRecorder
+    from tinkerless.functions.openai_api.render import parse_tool_calls
 
     tokenizer, end = worker.tokenizer, worker.chat.eos_token_ids[0]
     first = [{"role": "user", "content": "What is 3 * 4?"}]

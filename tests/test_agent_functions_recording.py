@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinkerless.functions.recording import EpisodeRecorder, RecordedCall, to_sequences
+from tinkerless.functions.rollout.recording import EpisodeRecorder, RecordedCall, to_sequences
 
 END = 2  # the end-of-turn token of these made-up prompts
 

@@ -9,8 +9,8 @@ import textwrap
 import pytest
 
 from tinkerless.functions.worker import Worker
-from tinkerless.sdk.cli import load_config, main
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.cli.main import load_config, main
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.server.keys import KeyStore
 from tinkerless.storage import ObjectStore
@@ -44,7 +44,7 @@ def test_train_through_single_user_serve_then_eval_the_same_file_against_its_ope
     app = create_app(Worker(tiny_model), keys=keys, storage=str(storage))  # no user-code sandboxes: single-user
     with serve_in_thread(app) as url:
         config = load_config(str(path))
-        from tinkerless.sdk.trainer import train
+        from tinkerless.sdk.run.trainer import train
 
         result = train(config, backend=HTTPBackend(url, api_key="key-me"), run_id="agentrun", storage=str(tmp_path / "c"))
         (record,) = result.metrics

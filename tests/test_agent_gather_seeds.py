@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tinkerless.functions.agent_functions import _Gather
+from tinkerless.functions.hosting.agent_functions import _Gather
 from tinkerless.functions.worker import Worker
 from tinkerless.wire.messages import SamplingParams
 

@@ -1,5 +1,5 @@
 """Agent functions on a shared multi-tenant server: they run in the tenant's sandbox and reach the model only
-through their rollout's channel (functions/hosted_agents.py, agent_channel*.py).
+through their rollout's channel (functions/hosting/hosted_agents.py, agent_channel*.py).
 
 A live `tinkerless serve` (multi-tenant, tiny model, 127.0.0.1) with two tenants. Bob's agents try what a
 hostile agent would: garbage and oversized frames on the channel, a huge body, a thousand requests, keys that
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import tinkerless
-from tinkerless.functions.user_code import UserCodeHosts
+from tinkerless.functions.hosting.user_code import UserCodeHosts
 from tinkerless.functions.worker import Worker
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.server.keys import KEYS_FILE, KeyStore
 from tinkerless.storage import ObjectStore
@@ -156,7 +156,7 @@ async def knocking(client, task):
     """Asks for what it may not have; the metrics are the HTTP statuses it got."""
     import openai as _openai
 
-    import tinkerless.functions.agent_channel as channel
+    import tinkerless.functions.hosting.agent_channel as channel
 
     statuses = {}
 
@@ -293,7 +293,7 @@ def test_another_tenant_is_served_while_an_agent_rollout_runs(shared):
 
 
 def test_frames_split_anywhere_decode_and_bad_ones_are_refused():
-    from tinkerless.functions.agent_channel import MAX_FRAME_BYTES, FrameError, FrameReader, encode_frame
+    from tinkerless.functions.hosting.agent_channel import MAX_FRAME_BYTES, FrameError, FrameReader, encode_frame
 
     frames = [{"id": 1, "method": "GET", "path": "/v1/models", "headers": [], "body": b""}, {"done": "k"}]
     data = b"".join(encode_frame(f) for f in frames)

@@ -13,7 +13,7 @@ import pytest
 
 import tinkerless
 from tinkerless.coordinator import Coordinator
-from tinkerless.sdk.backends import LocalBackend
+from tinkerless.sdk.backends.base import LocalBackend
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.storage.checkpoint import BackgroundSaves
 

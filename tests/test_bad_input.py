@@ -23,7 +23,7 @@ from tinkerless.errors import (
     RewardError,
     UserCodeError,
 )
-from tinkerless.sdk.metrics import read_metrics
+from tinkerless.sdk.run.metrics import read_metrics
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.wire import decode_message
 
@@ -364,7 +364,7 @@ class RecordingBackend:
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tiny_model, tmp_path):
-    from tinkerless.sdk.backends import LocalBackend
+    from tinkerless.sdk.backends.base import LocalBackend
 
     kwargs = settings(tiny_model, tmp_path, checkpoint_every=1)
     first = tinkerless.train(reward=length_reward, tasks=TASKS, run_id="ckpt", **kwargs)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_sampling_integrity import END_OF_TURN, check_generation, declare_end_of_turn
 
-from tinkerless.functions.slicing import join_due, yield_slice
+from tinkerless.functions.sampling.slicing import join_due, yield_slice
 from tinkerless.functions.worker import Worker
 from tinkerless.server.scheduler import Scheduler
 from tinkerless.wire.messages import CreatePolicyRequest, LoraConfig, SamplingParams

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinkerless.functions.batcher import _draw_block, _Member
-from tinkerless.functions.engine import GenerationJob
+from tinkerless.functions.sampling.batcher import _draw_block, _Member
+from tinkerless.functions.sampling.engine import GenerationJob
 from tinkerless.wire.messages import SamplingParams
 
 VOCAB = 50

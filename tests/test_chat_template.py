@@ -17,7 +17,7 @@ import torch
 
 import tinkerless
 from tinkerless.errors import ConfigError
-from tinkerless.functions.chat import ChatFormat
+from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.models import load_model
 from tinkerless.functions.worker import Worker
 from tinkerless.wire import pack_code

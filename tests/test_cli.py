@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tinkerless.sdk.cli import load_config, main
-from tinkerless.sdk.metrics import read_metrics
+from tinkerless.sdk.cli.main import load_config, main
+from tinkerless.sdk.run.metrics import read_metrics
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.coordinator import checkpoint_prefix
 

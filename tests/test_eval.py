@@ -13,10 +13,10 @@ import pytest
 import tinkerless
 from tinkerless.errors import ConfigError, StorageNotFound, UserError
 from tinkerless.functions.models import build_tiny_model
-from tinkerless.sdk.backends import LocalBackend
-from tinkerless.sdk.cli import main
-from tinkerless.sdk.evaluate import evaluate
-from tinkerless.sdk.trainer import _step_seed
+from tinkerless.sdk.backends.base import LocalBackend
+from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.evaluation.evaluate import evaluate
+from tinkerless.sdk.run.trainer import _step_seed
 from tinkerless.wire import decode_message
 from tinkerless.wire.messages import RolloutResult
 
@@ -191,7 +191,7 @@ def test_conflicting_and_invalid_options(run, capsys):
 
 
 def test_eval_through_a_server_plays_what_a_local_eval_plays(tiny_model, worker, tmp_path):
-    from tinkerless.sdk.http_backend import HTTPBackend
+    from tinkerless.sdk.backends.http import HTTPBackend
     from tinkerless.server import create_app
     from tinkerless.server import serve_in_thread as running
 
@@ -213,7 +213,7 @@ def test_eval_through_a_server_plays_what_a_local_eval_plays(tiny_model, worker,
 
 
 def test_an_eval_larger_than_one_rollout_call_is_split(tiny_model, worker, tmp_path, monkeypatch):
-    from tinkerless.sdk import evaluate as evaluate_module
+    from tinkerless.sdk.evaluation import evaluate as evaluate_module
     from tinkerless.server import create_app
     from tinkerless.server import serve_in_thread as running
     from tinkerless.server.limits import ServingLimits
@@ -234,7 +234,7 @@ def test_an_eval_larger_than_one_rollout_call_is_split(tiny_model, worker, tmp_p
 
 
 def test_mistakes_are_refused_before_the_model_loads(run, tmp_path, monkeypatch):
-    from tinkerless.sdk import evaluate as evaluate_module
+    from tinkerless.sdk.evaluation import evaluate as evaluate_module
 
     config, _, _ = run
 

@@ -8,8 +8,8 @@ from safetensors.torch import load as load_safetensors
 import tinkerless
 from tinkerless.coordinator import checkpoint_prefix
 from tinkerless.errors import ConfigError, DatasetError
-from tinkerless.sdk.evaluate import evaluate
-from tinkerless.sdk.metrics import MetricsWriter, plot_metrics
+from tinkerless.sdk.evaluation.evaluate import evaluate
+from tinkerless.sdk.run.metrics import MetricsWriter, plot_metrics
 from tinkerless.storage import CheckpointStore, ObjectStore
 
 
@@ -123,7 +123,7 @@ def test_eval_every_needs_held_out_tasks(tiny_model, tmp_path):
 
 
 def test_eval_every_through_a_server(tiny_model, worker, tmp_path):
-    from tinkerless.sdk.http_backend import HTTPBackend
+    from tinkerless.sdk.backends.http import HTTPBackend
     from tinkerless.server import create_app
     from tinkerless.server import serve_in_thread as running
 
@@ -134,8 +134,8 @@ def test_eval_every_through_a_server(tiny_model, worker, tmp_path):
 
 
 def test_train_cli_takes_eval_every(tiny_model, tmp_path, capsys):
-    from tinkerless.sdk.cli import main
-    from tinkerless.sdk.metrics import read_metrics
+    from tinkerless.sdk.cli.main import main
+    from tinkerless.sdk.run.metrics import read_metrics
 
     file = tmp_path / "held_out.py"
     file.write_text(

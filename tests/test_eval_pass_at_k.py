@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tinkerless.errors import ConfigError
-from tinkerless.sdk.pass_at_k import PassRule, mean_pass_at_k, pass_at_k
+from tinkerless.sdk.evaluation.pass_at_k import PassRule, mean_pass_at_k, pass_at_k
 
 
 @given(st.integers(1, 9).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tinkerless.sdk.backends import LocalBackend
-from tinkerless.sdk.cli import load_config
-from tinkerless.sdk.http_backend import HTTPBackend
-from tinkerless.sdk.trainer import train
+from tinkerless.sdk.backends.base import LocalBackend
+from tinkerless.sdk.cli.main import load_config
+from tinkerless.sdk.backends.http import HTTPBackend
+from tinkerless.sdk.run.trainer import train
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread as running
 from tinkerless.storage import CheckpointStore, ObjectStore

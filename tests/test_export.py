@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import tinkerless
 from tinkerless.errors import ConfigError, StorageError, StorageNotFound, UserError
 from tinkerless.functions.models import build_tiny_model
-from tinkerless.sdk.backends import LocalBackend
-from tinkerless.sdk.cli import main
-from tinkerless.sdk.evaluate import load_checkpoint
+from tinkerless.sdk.backends.base import LocalBackend
+from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.evaluation.evaluate import load_checkpoint
 
 MESSAGES = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "It is 5, I think."}]
 
@@ -139,7 +139,7 @@ def test_non_empty_target_is_refused_and_kept(run, tmp_path, capsys):
 
 
 def test_a_failed_export_leaves_nothing(run, tmp_path, monkeypatch):
-    from tinkerless.sdk import export as export_module
+    from tinkerless.sdk.checkpoints import export as export_module
 
     _, storage = run
 
@@ -188,7 +188,7 @@ def test_checkpoint_of_another_base_model_and_unknown_policy(run, tmp_path):
 
 
 def test_export_of_a_run_kept_by_a_server(tiny_model, worker, tmp_path):
-    from tinkerless.sdk.http_backend import HTTPBackend
+    from tinkerless.sdk.backends.http import HTTPBackend
     from tinkerless.server import create_app
     from tinkerless.server import serve_in_thread as running
 

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tinkerless.functions.slicing import slice_due, yield_slice
+from tinkerless.functions.sampling.slicing import slice_due, yield_slice
 from tinkerless.functions.worker import Worker
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.server.keys import KeyStore
@@ -273,8 +273,8 @@ def test_a_small_call_finishes_while_another_tenants_maximal_request_runs(tmp_pa
     tinker = pytest.importorskip("tinker")
     from tinker import types
 
-    from tinkerless.sdk.http_backend import HTTPBackend
-    from tinkerless.sdk.backends import call as backend_call
+    from tinkerless.sdk.backends.http import HTTPBackend
+    from tinkerless.sdk.backends.base import call as backend_call
 
     os.environ["TINKER_TELEMETRY"] = "0"
     keys = KeyStore(ObjectStore(str(tmp_path)))
@@ -304,7 +304,7 @@ def test_a_small_call_finishes_while_another_tenants_maximal_request_runs(tmp_pa
 
 
 def test_serve_flags_reach_the_limits(monkeypatch):
-    from tinkerless.sdk import cli
+    from tinkerless.sdk.cli import main as cli
 
     captured = {}
     monkeypatch.setattr("tinkerless.server.serve", lambda *a, **k: captured.update(k))

@@ -1,4 +1,4 @@
-"""Grouped-query attention without repeat_kv (functions/gqa_attention.py) changes no result.
+"""Grouped-query attention without repeat_kv (functions/sampling/gqa_attention.py) changes no result.
 
 The class of bug: an attention function that drops the padding mask or the causal rule, attends
 to the wrong key/value head, or also takes over training's forwards (whose backward must stay
@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tinkerless.functions import gqa_attention
+from tinkerless.functions.sampling import gqa_attention
 from tinkerless.functions.worker import Worker
 from tinkerless.wire.messages import CreatePolicyRequest, LoraConfig, SamplingParams
 

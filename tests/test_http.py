@@ -16,8 +16,8 @@ import pytest
 import tinkerless
 from tinkerless.coordinator import checkpoint_prefix
 from tinkerless.errors import ProtocolError, RemoteError, ServerBusy, UserError
-from tinkerless.sdk.backends import LocalBackend, call, raise_error_reply
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.base import LocalBackend, call, raise_error_reply
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread as running
 from tinkerless.storage import CheckpointStore, ObjectStore
@@ -275,7 +275,7 @@ def test_calls_run_one_at_a_time_and_health_stays_responsive():
 
 
 def test_backend_url_string_selects_the_http_backend(tiny_model, server_url, tmp_path):
-    from tinkerless.sdk.backends import make_backend
+    from tinkerless.sdk.backends.base import make_backend
 
     assert isinstance(make_backend(server_url, tiny_model), HTTPBackend)
     result = tinkerless.train(

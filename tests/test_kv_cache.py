@@ -24,8 +24,8 @@ from test_sampling_integrity import END_OF_TURN, declare_end_of_turn
 
 import tinkerless
 from tinkerless.envs.base import MultiStepResult
-from tinkerless.functions.kv_cache import KVSession, length_buckets
-from tinkerless.functions.slicing import slice_host
+from tinkerless.functions.sampling.kv_cache import KVSession, length_buckets
+from tinkerless.functions.sampling.slicing import slice_host
 from tinkerless.functions.worker import Worker
 from tinkerless.wire import pack_code
 from tinkerless.wire.messages import (
@@ -398,7 +398,7 @@ def test_the_vllm_engine_keeps_one_lora_id_per_policy_version(monkeypatch):
     import sys
     import types
 
-    from tinkerless.functions.vllm_engine import VLLMEngine
+    from tinkerless.functions.sampling.vllm_engine import VLLMEngine
 
     lora = types.ModuleType("vllm.lora.request")
     lora.LoRARequest = lambda name, int_id, path: (name, int_id, path)
@@ -443,7 +443,7 @@ def test_identical_prompts_of_one_policy_are_prefilled_once_and_still_sample_the
 
 def test_the_same_prompt_under_two_policies_is_prefilled_for_each(kv_worker):
     """Two calls joining one prefill with the same prompt: each row goes through its own adapter."""
-    from tinkerless.functions.batcher import _Member
+    from tinkerless.functions.sampling.batcher import _Member
 
     engine, sampling, prompt = kv_worker.engine, SamplingParams(max_tokens=6, temperature=1.0, stop_token_ids=[]), [5, 6, 7]
     jobs = {policy: engine.start([prompt], sampling, seed=3) for policy in ("pa", "pb")}

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from tinkerless.functions.kv_cache import GrowingLayer, growing_cache, stack_left_padded
+from tinkerless.functions.sampling.kv_cache import GrowingLayer, growing_cache, stack_left_padded
 from tinkerless.wire.messages import SamplingParams
 
 
@@ -111,7 +111,7 @@ def test_growing_cache_decodes_like_transformers_cache(worker):
 def test_a_batch_decodes_into_the_room_its_prefill_allocated(worker):
     """The engine's batch: prefilled into GrowingLayers with room for max_tokens, so no decode step copies the
     cache (the buffers stay put while no row leaves), and the tokens are those of a plain generate call."""
-    from tinkerless.functions.batcher import _Member
+    from tinkerless.functions.sampling.batcher import _Member
 
     engine, batcher = worker.engine, worker.engine.batcher
     prompts = [[5, 6, 7], [5, 6, 7], list(range(30, 52)), [9]]  # two rows share a prefill; lengths differ (groups)
@@ -134,7 +134,7 @@ def test_a_batch_decodes_into_the_room_its_prefill_allocated(worker):
 
 def test_a_batch_with_more_tokens_than_its_reserve_grows_and_draws_the_same(worker, monkeypatch):
     """Room is capped (a chat call's large max_tokens is not preallocated): past it the cache doubles, same tokens."""
-    from tinkerless.functions import batcher as batcher_module
+    from tinkerless.functions.sampling import batcher as batcher_module
 
     engine = worker.engine
     prompts = [[5, 6, 7], list(range(30, 45))]

@@ -1,4 +1,4 @@
-"""The short LoRA sampling path (functions/lora_inference.py) computes what peft's forward does: base rows
+"""The short LoRA sampling path (functions/sampling/lora_inference.py) computes what peft's forward does: base rows
 bit-identical, adapter rows to float rounding (one fused addmm instead of peft's mm, multiply and add),
 deterministically, and always from the layer's current weights."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-from tinkerless.functions import lora_inference
+from tinkerless.functions.sampling import lora_inference
 from tinkerless.functions.worker import Worker
 from tinkerless.wire.messages import CreatePolicyRequest, LoraConfig, SampleRequest, SamplingParams
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tinkerless.sdk.metrics import MetricsWriter, plot_metrics, read_metrics
+from tinkerless.sdk.run.metrics import MetricsWriter, plot_metrics, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

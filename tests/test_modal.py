@@ -36,9 +36,9 @@ from tinkerless.cloud.modal_entry import run_on_modal, ship_config
 from tinkerless.cloud.modal_volume import AdapterStore, model_key
 from tinkerless.errors import ConfigError, StorageNotFound
 from tinkerless.functions.losses import LossConfig
-from tinkerless.sdk.backends import LocalBackend
+from tinkerless.sdk.backends.base import LocalBackend
 from tinkerless.sdk.config import TrainConfig
-from tinkerless.sdk.trainer import train
+from tinkerless.sdk.run.trainer import train
 from tinkerless.wire import decode_message, encode_message, pack_code
 from tinkerless.wire.messages import (
     AdamParams,
@@ -531,7 +531,7 @@ def test_missing_token_is_a_clear_config_error_and_fails_fast(tiny_model, tmp_pa
 
 # ---- examples ----------------------------------------------------------------------------------
 def test_examples_expose_a_modal_app_and_still_train_locally(tiny_model, tmp_path):
-    from tinkerless.sdk.cli import load_config
+    from tinkerless.sdk.cli.main import load_config
 
     config = load_config(str(REPO / "examples/arithmetic.py"))  # modal is imported here, as under `modal run`
     app = sys.modules["arithmetic"].app
@@ -551,7 +551,7 @@ def test_examples_import_without_modal_for_tinkerless_train():
         import sys
         import tinkerless, tinkerless.cloud.modal_config, tinkerless.cloud.modal_backend, tinkerless.cloud.modal_entry
         assert "modal" not in sys.modules, "importing tinkerless must not import modal"
-        from tinkerless.sdk.cli import load_config
+        from tinkerless.sdk.cli.main import load_config
         for path in sys.argv[1:]:
             config = load_config(path)
             module = sys.modules[path.rsplit("/", 1)[-1][:-3]]

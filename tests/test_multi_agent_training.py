@@ -74,7 +74,7 @@ def test_multi_agent_env_needs_agents(tmp_path, tiny_model):
 
 
 def test_eval_refuses_multi_agent_envs_clearly(tiny_model):
-    from tinkerless.sdk.evaluate import evaluate
+    from tinkerless.sdk.evaluation.evaluate import evaluate
 
     config = tinkerless.TrainConfig(model=tiny_model, env=GomokuEnv, tasks=TASKS, agents=tinkerless.self_play(("black", "white")))
     with pytest.raises(ConfigError, match="multi-agent"):

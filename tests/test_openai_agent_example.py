@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from tinkerless.functions.agent_functions import run_agent_episodes
-from tinkerless.functions.chat import ChatFormat
-from tinkerless.functions.engine import Generation
-from tinkerless.sdk.cli import load_config
-from tinkerless.sdk.sft_data import ChatRenderer
+from tinkerless.functions.hosting.agent_functions import run_agent_episodes
+from tinkerless.functions.rollout.chat import ChatFormat
+from tinkerless.functions.sampling.engine import Generation
+from tinkerless.sdk.cli.main import load_config
+from tinkerless.sdk.sft.data import ChatRenderer
 from tinkerless.wire.messages import BASE_POLICY, EpisodeLimits, SamplingParams
 
 load_config(str(Path(__file__).resolve().parent.parent / "examples" / "openai_agent.py"))  # as `tinkerless train` does

@@ -20,7 +20,7 @@ import torch
 
 import tinkerless
 from tinkerless.functions.worker import Worker
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread
 from tinkerless.server.keys import KeyStore

@@ -86,7 +86,7 @@ def test_every_4xx_body_has_type_code_param_and_a_plain_message(server, route, e
 def test_an_over_long_prompt_is_refused_before_it_is_tokenized(server, monkeypatch):
     http, app = server
     backend = app.state.openai
-    import tinkerless.server.openai_api.router as router
+    import tinkerless.functions.openai_api.router as router
 
     def never(*args, **kwargs):
         raise AssertionError("tokenized a prompt that its length alone refuses")

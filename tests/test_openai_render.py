@@ -16,10 +16,10 @@ from fastapi import FastAPI
 from hypothesis import given, settings, strategies as st
 
 from tinkerless.envs.tools import ToolCall, parse_action
-from tinkerless.functions.chat import ChatFormat
+from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.server import serve_in_thread
 from tinkerless.server.openai_api import OpenAIError, SampledChoice, openai_router, parse_tool_calls, render_chat
-from tinkerless.server.openai_api.render import template_supports_tools
+from tinkerless.functions.openai_api.render import template_supports_tools
 
 CALC = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate arithmetic.",

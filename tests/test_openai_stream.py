@@ -24,8 +24,8 @@ from tinkerless.server import create_app, serve_in_thread
 from tinkerless.server.keys import KeyStore
 from tinkerless.server.limits import ServingLimits
 from tinkerless.server.openai_api import error_body
-from tinkerless.server.openai_api.backend import OpenAIError
-from tinkerless.server.openai_api.streaming import sse_response
+from tinkerless.functions.openai_api.backend import OpenAIError
+from tinkerless.functions.openai_api.streaming import sse_response
 from tinkerless.storage import ObjectStore
 
 pytestmark = pytest.mark.timeout(600)
@@ -248,7 +248,7 @@ def test_the_engine_streams_each_row_as_it_records_it_and_stops_when_cancelled(s
 
     import torch
 
-    from tinkerless.functions.token_stream import TokenStream
+    from tinkerless.functions.sampling.token_stream import TokenStream
     from tinkerless.wire.messages import SamplingParams
 
     _, _, worker = server

@@ -15,13 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from tinkerless.functions.token_stream import TokenEvent
-from tinkerless.server.openai_api.backend import SampledChoice
-from tinkerless.server.openai_api.output import PieceDecoder, StopScanner, finish, token_pieces
-from tinkerless.server.openai_api.render import chat_format, parse_tool_calls
-from tinkerless.server.openai_api.replies import ChatReply
-from tinkerless.server.openai_api.schemas import ChatCompletionRequest
-from tinkerless.server.openai_api.streaming import ChoiceText, _replayed, chat_chunks
+from tinkerless.functions.sampling.token_stream import TokenEvent
+from tinkerless.functions.openai_api.backend import SampledChoice
+from tinkerless.functions.openai_api.output import PieceDecoder, StopScanner, finish, token_pieces
+from tinkerless.functions.openai_api.render import chat_format, parse_tool_calls
+from tinkerless.functions.openai_api.replies import ChatReply
+from tinkerless.functions.openai_api.schemas import ChatCompletionRequest
+from tinkerless.functions.openai_api.streaming import ChoiceText, _replayed, chat_chunks
 
 ALPHABET = list("ab cé€😀中\n<>/_{}\":tolcaSTOP")
 TEXT = st.text(alphabet=st.sampled_from(ALPHABET), max_size=24)

@@ -12,9 +12,9 @@ import pytest
 import tinkerless
 from tinkerless.errors import RemoteError, UserError
 from tinkerless.functions.worker import Worker
-from tinkerless.sdk.backends import call
-from tinkerless.sdk.client import TrainingClient
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.base import call
+from tinkerless.sdk.backends.client import TrainingClient
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.server.keys import KeyStore
 from tinkerless.server.limits import ServingLimits

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from tinkerless.errors import CommitConflict, StaleDriver
-from tinkerless.sdk.backends import call
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.base import call
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread as running
 from tinkerless.server.scheduler import Scheduler

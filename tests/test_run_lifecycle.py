@@ -19,11 +19,11 @@ from test_s3_storage import bucket, moto, s3_env  # noqa: F401  (fixtures: a rea
 from tinkerless.coordinator import Coordinator, Phase, list_runs
 from tinkerless.coordinator.state import stale_after
 from tinkerless.errors import ConfigError, PhaseError, UserError
-from tinkerless.sdk.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
+from tinkerless.sdk.run.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.storage.local import TMP_MARK
 
-CLI = [sys.executable, "-m", "tinkerless.sdk.cli"]
+CLI = [sys.executable, "-m", "tinkerless.sdk.cli.main"]
 STEPS = 6
 BEAT = 1.0  # seconds between heartbeats in the subprocess runs: stale after stale_after(BEAT)
 
@@ -91,7 +91,7 @@ def test_sigterm_marks_the_run_interrupted_names_it_and_it_resumes(tmp_path, exa
 
 
 def test_sigkill_run_lists_as_interrupted_once_its_heartbeat_is_stale(tmp_path, example, capsys):
-    from tinkerless.sdk.cli import main
+    from tinkerless.sdk.cli.main import main
 
     storage = tmp_path / "store"
     proc = _start(example, storage)
@@ -183,8 +183,8 @@ def test_interrupted_run_stops_barrier_waiters_and_resumes(tmp_path):
 
 
 def test_server_hosted_run_takes_heartbeats(tiny_model, worker, tmp_path):
-    from tinkerless.sdk.http_backend import HTTPBackend
-    from tinkerless.sdk.server_runs import ServerRunHost
+    from tinkerless.sdk.backends.http import HTTPBackend
+    from tinkerless.sdk.backends.server_runs import ServerRunHost
     from tinkerless.server import create_app
     from tinkerless.server import serve_in_thread as running
 
@@ -290,7 +290,7 @@ config = tinkerless.TrainConfig(
 
 
 def test_ctrl_c_in_process_names_the_real_run_id(tmp_path, tiny_model, capsys):
-    from tinkerless.sdk.cli import main
+    from tinkerless.sdk.cli.main import main
 
     file = tmp_path / "ctrl_c.py"
     file.write_text(CTRL_C_FILE.format(counter=str(tmp_path / "calls"), model=tiny_model, storage=str(tmp_path / "s")))

@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 
-from tinkerless.functions.engine import row_seed
-from tinkerless.functions.slicing import slice_host
+from tinkerless.functions.sampling.engine import row_seed
+from tinkerless.functions.sampling.slicing import slice_host
 from tinkerless.functions.worker import Worker
 from tinkerless.wire.messages import CreatePolicyRequest, LoraConfig, SamplingParams
 
@@ -137,7 +137,7 @@ def test_a_seeded_request_gives_the_same_tokens_sliced_or_not(tiny_model):
     with slice_host(host):
         sliced = worker.engine.generate(PROMPTS, sampling, policy="mine", seed=3)
     # It paused after every step it drove; the other policy's generation run during a pause joins the
-    # shared batch (tinkerless.functions.batcher) and decodes these rows too, in one mixed-adapter forward.
+    # shared batch (tinkerless.functions.sampling.batcher) and decodes these rows too, in one mixed-adapter forward.
     assert host.pauses >= 5
     assert [(g.tokens, g.stop_reason) for g in sliced] == [(g.tokens, g.stop_reason) for g in whole]
     for a, b in zip(sliced, whole):  # batched with other rows: equal up to floating-point differences

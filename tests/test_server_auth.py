@@ -6,9 +6,9 @@ import httpx
 import pytest
 
 from tinkerless.errors import UserError
-from tinkerless.sdk.backends import call
-from tinkerless.sdk.cli import main
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.base import call
+from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread as running
 from tinkerless.server.keys import KEYS_FILE, KeyStore
@@ -68,7 +68,7 @@ def test_tenants_cannot_name_or_read_each_others_policies(keys, tiny_model, tmp_
 
     import tinkerless
     from tinkerless.functions.worker import Worker
-    from tinkerless.sdk.client import TrainingClient
+    from tinkerless.sdk.backends.client import TrainingClient
     from tinkerless.wire.messages import Datum
 
     alice, bob = keys.create("alice"), keys.create("bob")

@@ -20,10 +20,10 @@ from safetensors.torch import load as load_safetensors
 import tinkerless
 from tinkerless.coordinator.policy_checkpoints import restore_policies, save_policies
 from tinkerless.errors import BarrierTimeout, CommitConflict, CorruptCheckpoint, PhaseError, StorageNotFound, UserError
-from tinkerless.sdk.cli import main
-from tinkerless.sdk.evaluate import evaluate
-from tinkerless.sdk.http_backend import HTTPBackend
-from tinkerless.sdk.server_runs import ServerRunHost
+from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.evaluation.evaluate import evaluate
+from tinkerless.sdk.backends.http import HTTPBackend
+from tinkerless.sdk.backends.server_runs import ServerRunHost
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread as running
 from tinkerless.server.keys import KeyStore
@@ -32,7 +32,7 @@ from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import ErrorReply
 from tinkerless.wire.runs import CheckpointPolicy, RunCall
 
-CLI = [sys.executable, "-m", "tinkerless.sdk.cli"]
+CLI = [sys.executable, "-m", "tinkerless.sdk.cli.main"]
 
 
 def _short_run(model: str, storage: Path, backend, run_id: str, **extra):
@@ -268,7 +268,7 @@ def test_a_multi_agent_run_through_the_server_resumes_like_a_local_one(tiny_mode
     """Three policies, their barrier on the server, checkpoints with one adapter per policy, a resume."""
     from tinkerless.envs.gomoku import GomokuEnv
     from tinkerless.functions.worker import Worker
-    from tinkerless.sdk.backends import LocalBackend
+    from tinkerless.sdk.backends.base import LocalBackend
 
     def run(storage: Path, backend, steps: int, **extra):
         return tinkerless.train(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tinkerless.errors import ConfigError, DatasetError
-from tinkerless.sdk.sft_data import ChatRenderer, as_records, read_jsonl, render_examples, split_holdout, to_messages
+from tinkerless.sdk.sft.data import ChatRenderer, as_records, read_jsonl, render_examples, split_holdout, to_messages
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def tokenizer(tiny_model):
 
 @pytest.fixture(scope="module")
 def renderer(tokenizer):
-    from tinkerless.functions.chat import ChatFormat
+    from tinkerless.functions.rollout.chat import ChatFormat
 
     return ChatRenderer(tokenizer, ChatFormat(tokenizer).end_of_turn_id)
 
@@ -78,7 +78,7 @@ def test_smollm2_rendering_equals_apply_chat_template():
     """The real model's template (it adds a default system prompt): ids identical, only replies weighted."""
     from transformers import AutoTokenizer
 
-    from tinkerless.functions.chat import ChatFormat
+    from tinkerless.functions.rollout.chat import ChatFormat
     from tinkerless.functions.models import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))

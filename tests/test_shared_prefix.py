@@ -1,4 +1,4 @@
-"""Rows that share their prompt run it once per group (`functions/shared_prefix.py`), and nothing changes.
+"""Rows that share their prompt run it once per group (`functions/training/shared_prefix.py`), and nothing changes.
 
 The reference is `test_training_memory.reference`: one masked, eager-attention full batch. The batches
 here look like RL batches: groups of samples of one prompt (prompts of different lengths), several
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinkerless.functions import shared_prefix, training
+from tinkerless.functions.training import shared_prefix, forward_backward as training
 from tinkerless.functions.losses import LossConfig
 from tests.test_training_memory import CONFIGS, assert_grads_close, grads, lora_worker, reference  # noqa: F401
 

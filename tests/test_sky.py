@@ -33,7 +33,7 @@ from tinkerless.cloud.sky_tasks import (
     task_config,
 )
 from tinkerless.errors import ConfigError, RemoteError
-from tinkerless.sdk.backends import call
+from tinkerless.sdk.backends.base import call
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.server.keys import KeyStore
 from tinkerless.storage import ObjectStore
@@ -413,7 +413,7 @@ def test_server_stops_itself_after_idle_minutes_so_autostop_can_fire(tiny_model,
         server = subprocess.Popen(command, env={**os.environ, KEY_ENV: key}, stdout=out, stderr=subprocess.STDOUT)
     try:
         sky_backend.wait_healthy(f"http://127.0.0.1:{port}", cluster="local", timeout=120, interval=0.2)
-        from tinkerless.sdk.http_backend import HTTPBackend
+        from tinkerless.sdk.backends.http import HTTPBackend
 
         assert call(HTTPBackend(f"http://127.0.0.1:{port}", api_key=key), "info", {})["model"] == tiny_model
         last_call = time.monotonic()

@@ -12,11 +12,11 @@ import pytest
 
 import tinkerless
 from tinkerless.envs.base import StepResult
-from tinkerless.functions.rollout_clock import measure, rollout_clock
-from tinkerless.sdk.backends import LocalBackend, call
-from tinkerless.sdk.http_backend import HTTPBackend
-from tinkerless.sdk.metrics import read_metrics
-from tinkerless.sdk.step_metrics import ROLLOUT_COLUMNS, step_record
+from tinkerless.functions.rollout.rollout_clock import measure, rollout_clock
+from tinkerless.sdk.backends.base import LocalBackend, call
+from tinkerless.sdk.backends.http import HTTPBackend
+from tinkerless.sdk.run.metrics import read_metrics
+from tinkerless.sdk.run.step_metrics import ROLLOUT_COLUMNS, step_record
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.wire.http import QUEUE_SECONDS_HEADER
 from tinkerless.wire.messages import (

@@ -9,7 +9,7 @@ import pytest
 
 import tinkerless
 from tinkerless.errors import DatasetError
-from tinkerless.sdk.tasks import TaskSource, check_reset_fields
+from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
 
 
 def _first(source: TaskSource, n: int) -> list[dict]:
@@ -165,7 +165,7 @@ def test_generated_tasks_are_checked_too():
 
 
 def test_train_refuses_a_task_reset_cannot_take_before_loading_the_model(tmp_path, monkeypatch):
-    import tinkerless.sdk.trainer as trainer
+    import tinkerless.sdk.run.trainer as trainer
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model must not load before the task check")

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import tinkerless
-from tinkerless.functions.user_code import UserCodeHosts
+from tinkerless.functions.hosting.user_code import UserCodeHosts
 from tinkerless.functions.worker import Worker
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread as running
 from tinkerless.server.keys import KEYS_FILE, KeyStore
@@ -111,7 +111,7 @@ def test_the_server_process_never_unpickles_tenant_code(tiny_model, tmp_path, sh
     hosts = UserCodeHosts(hide=(str(server),))
     worker = Worker(tiny_model, user_code_hosts=hosts)
     try:
-        from tinkerless.functions.user_code import HostedCodeError, tenant_scope
+        from tinkerless.functions.hosting.user_code import HostedCodeError, tenant_scope
 
         with tenant_scope("bob"):
             loaded = worker._load_code(pack_code(Planted()))
@@ -196,7 +196,7 @@ def episodes_equal(first, second) -> None:
 
 
 def test_hosted_rollouts_equal_in_process_ones(worker):
-    from tinkerless.functions.user_code import tenant_scope
+    from tinkerless.functions.hosting.user_code import tenant_scope
     from tinkerless.wire.messages import EpisodeLimits, MultiAgentRolloutRequest, RolloutRequest, SamplingParams, Seat
 
     single = RolloutRequest(
@@ -224,7 +224,7 @@ def test_hosted_rollouts_equal_in_process_ones(worker):
 
 
 def test_a_hosted_call_that_kills_or_hangs_its_host_fails_alone_and_the_host_comes_back():
-    from tinkerless.functions.user_code import HostedCodeError, tenant_scope
+    from tinkerless.functions.hosting.user_code import HostedCodeError, tenant_scope
 
     def suicide(completion, task):
         import os as _os
@@ -264,7 +264,7 @@ def test_a_shared_server_without_bubblewrap_refuses_to_start(monkeypatch):
 
 def test_a_host_that_sends_half_an_answer_cannot_hold_the_server():
     """Tenant code that finds the replies pipe and writes a frame's first bytes, then stalls, is cut off at the deadline."""
-    from tinkerless.functions.user_code import HostedCodeError, tenant_scope
+    from tinkerless.functions.hosting.user_code import HostedCodeError, tenant_scope
 
     def half_frame(completion, task):
         import os as _os
@@ -290,12 +290,12 @@ def test_a_host_that_sends_half_an_answer_cannot_hold_the_server():
 
 def test_a_host_that_stops_reading_cannot_hold_the_server():
     """Tenant code that makes its host stop reading requests: a large request times out instead of blocking."""
-    from tinkerless.functions.user_code import HostedCodeError, tenant_scope
+    from tinkerless.functions.hosting.user_code import HostedCodeError, tenant_scope
 
     def stop_reading(completion, task):
         import time as _time
 
-        import tinkerless.functions.user_code_host as host_module
+        import tinkerless.functions.hosting.user_code_host as host_module
 
         host_module.read_frame = lambda *args, **kwargs: _time.sleep(3600)  # the host's loop never reads again
         return 1.0

@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinkerless.functions import training
+from tinkerless.functions.training import forward_backward as training
 from tinkerless.functions.losses import LossConfig, compute_loss
-from tinkerless.functions.micro_batches import (
+from tinkerless.functions.training.micro_batches import (
     activation_bytes_per_token,
     plan_micro_batches,
     recompute_in_backward,

@@ -11,10 +11,10 @@ import pytest
 import tinkerless
 from tinkerless.envs.gomoku import GomokuEnv, random_opponent
 from tinkerless.errors import ConfigError
-from tinkerless.sdk.cli import main
-from tinkerless.sdk.metrics import describe_rewards, reward_summary
-from tinkerless.sdk.step_metrics import step_record
-from tinkerless.sdk.transcripts import episode_record, sample, token_counts
+from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.run.metrics import describe_rewards, reward_summary
+from tinkerless.sdk.run.step_metrics import step_record
+from tinkerless.sdk.run.transcripts import episode_record, sample, token_counts
 from tinkerless.wire.messages import Episode, EpisodeLimits, TrainingSequence
 
 RECORD_KEYS = {
@@ -80,7 +80,7 @@ def test_a_run_writes_a_sample_of_whole_episodes_per_step(tiny_model, tmp_path, 
 
 
 def test_transcripts_through_a_server_match_a_local_run(tiny_model, worker, tmp_path):
-    from tinkerless.sdk.http_backend import HTTPBackend
+    from tinkerless.sdk.backends.http import HTTPBackend
     from tinkerless.server import create_app
     from tinkerless.server import serve_in_thread as running
 

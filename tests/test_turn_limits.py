@@ -81,7 +81,7 @@ def test_truncation_by_episode_tokens_names_that_knob(tiny_model, tmp_path, caps
 
 
 def test_the_progress_line_shows_the_truncated_share(monkeypatch):
-    from tinkerless.sdk.progress import Progress
+    from tinkerless.sdk.run.progress import Progress
 
     progress = Progress(total=1, enabled=True)
     progress.update({"episodes_truncated_frac": 0.75})

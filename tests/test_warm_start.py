@@ -8,10 +8,10 @@ import pytest
 import tinkerless
 from tinkerless.errors import ConfigError, UserError
 from tinkerless.functions.models import build_tiny_model
-from tinkerless.sdk.backends import LocalBackend
-from tinkerless.sdk.client import TrainingClient
-from tinkerless.sdk.run_host import StorageRunHost
-from tinkerless.sdk.warm_start import apply_init_from, parse_init_from
+from tinkerless.sdk.backends.base import LocalBackend
+from tinkerless.sdk.backends.client import TrainingClient
+from tinkerless.sdk.backends.run_host import StorageRunHost
+from tinkerless.sdk.checkpoints.warm_start import apply_init_from, parse_init_from
 from tinkerless.storage import CheckpointStore, ObjectStore
 
 DATA = [{"messages": [{"role": "user", "content": f"n{i}"}, {"role": "assistant", "content": f"{i}{i}"}]} for i in range(8)]

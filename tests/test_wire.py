@@ -398,13 +398,13 @@ class RecordingBackend:
 
 @pytest.fixture(scope="module")
 def local_backend(tiny_model):
-    from tinkerless.sdk.backends import LocalBackend
+    from tinkerless.sdk.backends.base import LocalBackend
 
     return LocalBackend(tiny_model)
 
 
 def test_local_backend_round_trips_requests_as_bytes(local_backend, tiny_model):
-    from tinkerless.sdk.backends import call
+    from tinkerless.sdk.backends.base import call
 
     backend = RecordingBackend(local_backend)
     info = call(backend, "info", {})
@@ -429,7 +429,7 @@ def test_local_backend_round_trips_requests_as_bytes(local_backend, tiny_model):
 
 
 def test_local_backend_rollout_with_packed_reward(local_backend):
-    from tinkerless.sdk.backends import call
+    from tinkerless.sdk.backends.base import call
 
     def length_reward(completion, task):
         return float(len(completion)) + task["bonus"]
@@ -454,7 +454,7 @@ def test_local_backend_rollout_with_packed_reward(local_backend):
 
 
 def test_unknown_policy_comes_back_as_user_error(local_backend):
-    from tinkerless.sdk.backends import call
+    from tinkerless.sdk.backends.base import call
 
     with pytest.raises(UserError, match="policy 'nope' does not exist") as info:
         call(local_backend, "sample", SampleRequest(policy="nope", prompts=["hi"], sampling=SamplingParams(max_tokens=2)))
@@ -464,14 +464,14 @@ def test_unknown_policy_comes_back_as_user_error(local_backend):
 
 
 def test_unknown_method_comes_back_as_user_error(local_backend):
-    from tinkerless.sdk.backends import call
+    from tinkerless.sdk.backends.base import call
 
     with pytest.raises(UserError, match="unknown function 'launch_missiles'"):
         call(local_backend, "launch_missiles", {})
 
 
 def test_garbage_bytes_come_back_as_protocol_error_reply(local_backend):
-    from tinkerless.sdk.backends import raise_error_reply
+    from tinkerless.sdk.backends.base import raise_error_reply
 
     reply = decode_message(local_backend.call_bytes("info", b"\xc1garbage"))
     assert isinstance(reply, ErrorReply)
@@ -482,7 +482,7 @@ def test_garbage_bytes_come_back_as_protocol_error_reply(local_backend):
 
 
 def test_wrong_protocol_version_and_foreign_type_are_refused_by_the_worker(local_backend):
-    from tinkerless.sdk.backends import raise_error_reply
+    from tinkerless.sdk.backends.base import raise_error_reply
 
     other = encode({"v": PROTOCOL_VERSION + 7, "py": PYTHON_VERSION, "body": {}})
     reply = decode_message(local_backend.call_bytes("info", other))
@@ -500,7 +500,7 @@ def test_wrong_protocol_version_and_foreign_type_are_refused_by_the_worker(local
 
 def test_a_token_id_outside_the_vocabulary_is_the_callers_error(local_backend):
     from tinkerless.errors import InvalidRequest
-    from tinkerless.sdk.backends import call
+    from tinkerless.sdk.backends.base import call
 
     datum = Datum(tokens=np.array([1, 10**6], dtype=np.int32), mask=np.ones(2, dtype=np.float32))
     with pytest.raises(InvalidRequest, match="token id 1000000, outside this model's vocabulary") as info:
@@ -509,7 +509,7 @@ def test_a_token_id_outside_the_vocabulary_is_the_callers_error(local_backend):
 
 
 def test_server_side_crash_comes_back_as_remote_error(local_backend, monkeypatch):
-    from tinkerless.sdk.backends import call
+    from tinkerless.sdk.backends.base import call
 
     def crash(request):  # a bug inside the worker, past validation
         raise RuntimeError("index out of range in self")
@@ -525,7 +525,7 @@ def test_server_side_crash_comes_back_as_remote_error(local_backend, monkeypatch
 
 
 def test_code_blob_from_another_python_is_refused_by_the_worker(local_backend):
-    from tinkerless.sdk.backends import call
+    from tinkerless.sdk.backends.base import call
 
     major, minor = PYTHON_VERSION.split(".")
     other = f"{major}.{int(minor) - 1}"
@@ -552,7 +552,7 @@ def test_lora_config_and_error_reply_round_trip():
 
 
 def test_a_request_of_the_wrong_type_is_a_protocol_error(worker):
-    from tinkerless.sdk.backends import call as backend_call
+    from tinkerless.sdk.backends.base import call as backend_call
 
     class _Direct:
         name = "direct"

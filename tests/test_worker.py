@@ -149,8 +149,8 @@ def test_optim_step_clips_and_reports_grad_norm(fresh_worker):
 
 def test_engine_choice(tiny_model):
     from tinkerless.errors import ConfigError
-    from tinkerless.functions.engine import TransformersEngine
-    from tinkerless.functions.vllm_engine import vllm_available
+    from tinkerless.functions.sampling.engine import TransformersEngine
+    from tinkerless.functions.sampling.vllm_engine import vllm_available
 
     if not vllm_available():
         assert isinstance(Worker(tiny_model, engine="auto").engine, TransformersEngine)

@@ -27,31 +27,33 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tinkerless import errors
+from tinkerless import _moved, errors
 from tinkerless.envs.base import StepResult
-from tinkerless.sdk.decorators import AgentResult, agent, env, reward
+from tinkerless.envs.decorators import AgentResult, agent, env, reward
 
 __version__ = "0.1.0"
 
+_moved.install()  # module paths from before the move into subpackages stay importable
+
 _LAZY = {
-    "train": "tinkerless.sdk.trainer",
-    "RunResult": "tinkerless.sdk.trainer",
+    "train": "tinkerless.sdk.run.trainer",
+    "RunResult": "tinkerless.sdk.run.trainer",
     "TrainConfig": "tinkerless.sdk.config",
-    "sft": "tinkerless.sdk.sft",
-    "SFTConfig": "tinkerless.sdk.sft_config",
-    "evaluate": "tinkerless.sdk.evaluate",
-    "export": "tinkerless.sdk.export",
-    "TrainingClient": "tinkerless.sdk.client",
-    "LocalBackend": "tinkerless.sdk.backends",
+    "sft": "tinkerless.sdk.sft.loop",
+    "SFTConfig": "tinkerless.sdk.sft.config",
+    "evaluate": "tinkerless.sdk.evaluation.evaluate",
+    "export": "tinkerless.sdk.checkpoints.export",
+    "TrainingClient": "tinkerless.sdk.backends.client",
+    "LocalBackend": "tinkerless.sdk.backends.base",
     "LossConfig": "tinkerless.functions.losses",
     "AdamParams": "tinkerless.wire.messages",
     "SamplingParams": "tinkerless.wire.messages",
     "LoraConfig": "tinkerless.wire.messages",
     "Datum": "tinkerless.wire.messages",
-    "Frozen": "tinkerless.sdk.agents",
-    "self_play": "tinkerless.sdk.agents",
-    "versus": "tinkerless.sdk.agents",
-    "round_robin": "tinkerless.sdk.agents",
+    "Frozen": "tinkerless.sdk.run.agents",
+    "self_play": "tinkerless.sdk.run.agents",
+    "versus": "tinkerless.sdk.run.agents",
+    "round_robin": "tinkerless.sdk.run.agents",
     "MultiStepResult": "tinkerless.envs.base",
     "tool": "tinkerless.envs.tools",
     "ToolEnv": "tinkerless.envs.tools",

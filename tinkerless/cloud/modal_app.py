@@ -181,7 +181,7 @@ def coordinate(config_blob: Any, run_id: str, modal_config: ModalConfig, *, stat
     """The coordinator's body: `train()` against the GPU classes, run state under `state_dir`."""
     from tinkerless.cloud.modal_backend import ModalBackend
     from tinkerless.coordinator import state_key
-    from tinkerless.sdk.trainer import train
+    from tinkerless.sdk.run.trainer import train
     from tinkerless.storage import ObjectStore
     from tinkerless.wire import unpack_code
 

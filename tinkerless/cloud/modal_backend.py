@@ -36,7 +36,7 @@ from typing import Any
 from tinkerless.cloud.modal_config import GPU_ROLES, ModalConfig
 from tinkerless.cloud.modal_volume import VOLUME_MOUNT
 from tinkerless.errors import ConfigError, RemoteError
-from tinkerless.sdk.accounting import UsageMeter
+from tinkerless.sdk.run.accounting import UsageMeter
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import ErrorReply, MultiAgentRolloutRequest, RolloutRequest, RolloutResult
 

@@ -44,7 +44,7 @@ def modal_entrypoint(config: Any, modal_config: ModalConfig | None = None) -> An
 
 def run_on_modal(config: Any, classes: dict, settings: ModalConfig, *, run_id: str | None = None) -> dict:
     """Run `config` in the Coordinator class (inside a running App) and keep a local copy of its metrics."""
-    from tinkerless.sdk.metrics import MetricsWriter, plot_metrics
+    from tinkerless.sdk.run.metrics import MetricsWriter, plot_metrics
 
     config.validate()
     shipped = ship_config(config)
@@ -71,7 +71,7 @@ def run_on_modal(config: Any, classes: dict, settings: ModalConfig, *, run_id: s
         fetch = f"modal volume get {settings.volume_name} {where}/checkpoints runs/{run_id}"
     else:
         fetch = f"{result['storage']}/runs/{run_id}/checkpoints"
-    from tinkerless.sdk.accounting import seconds_total
+    from tinkerless.sdk.run.accounting import seconds_total
 
     usage = result.get("usage") or {}
     cost = usage.get("cost_usd")
@@ -89,8 +89,8 @@ def run_on_modal(config: Any, classes: dict, settings: ModalConfig, *, run_id: s
 
 def ship_config(config: Any) -> Any:
     """The config as a CodeBlob, with the user's own modules pickled by value and task files read here."""
-    from tinkerless.sdk.agents import frozen_adapters
-    from tinkerless.sdk.tasks import load_jsonl
+    from tinkerless.sdk.run.agents import frozen_adapters
+    from tinkerless.sdk.run.tasks import load_jsonl
     from tinkerless.wire import pack_code
     from tinkerless.wire.code import _register_user_module
 

@@ -34,7 +34,7 @@ from tinkerless.cloud.sky_tasks import (
     task_path,
 )
 from tinkerless.errors import ConfigError, RemoteError
-from tinkerless.sdk.http_backend import HTTPBackend
+from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.wire.codec import PYTHON_VERSION
 
 logger = logging.getLogger(__name__)

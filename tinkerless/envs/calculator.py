@@ -16,7 +16,7 @@ import re
 from typing import Any, Callable
 
 from tinkerless.envs.tools import ToolEnv, tool
-from tinkerless.sdk.decorators import env
+from tinkerless.envs.decorators import env
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 1000

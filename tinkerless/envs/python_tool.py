@@ -19,7 +19,7 @@ from typing import Callable, ClassVar
 
 from tinkerless.envs.sandbox import SandboxLimits, SandboxResult, run_python, sandbox_kind
 from tinkerless.envs.tools import Tool, ToolEnv, ToolObservation, tool
-from tinkerless.sdk.decorators import env
+from tinkerless.envs.decorators import env
 
 # Read at call time, so tests and deployments can tighten it.
 TOOL_LIMITS = SandboxLimits(cpu_seconds=2.0, wall_seconds=5.0, memory_bytes=256 * 2**20, max_output_bytes=4096)

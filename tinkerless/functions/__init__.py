@@ -1,10 +1,13 @@
-"""The GPU functions and what they run on.
+"""The GPU functions (rollout, forward, update) and what they run on, one room per job.
 
-- `worker.Worker`: one base model, one LoRA adapter + optimizer per policy; `handle(method, bytes)`
-  runs `rollout`, `forward`, `update` (and `sample`, `forward_backward`, `optim_step`,
-  `save_state`, `load_state`) on wire types;
-- `agent_loop`: the per-episode state machine with token masks;
-- `engine` / `vllm_engine`: generation behind one interface (transformers; vLLM on GPU);
-- `training`: per-token log-probs and loss backward; `losses`: the RL/SFT losses;
-- `models`: model resolution (SmolLM2 from its GGUF package, HF ids, local paths, tiny test models).
+- `worker.Worker`: one base model, one LoRA adapter + optimizer per policy; `handle(method, bytes)` runs
+  `rollout`, `forward`, `update` (and `sample`, `forward_backward`, `optim_step`, `save_state`, `load_state`)
+  on wire types. It is the function surface every backend calls;
+- `sampling/`: the sampler (engines, continuous batching, KV caches, the LoRA fast path);
+- `training/`: log-probs and gradients in bounded memory; `losses`: the RL and SFT losses;
+- `rollout/`: the episode loops, single- and multi-agent, and chat formatting in token space;
+- `hosting/`: users' env, reward and agent code next to the model, behind the sandbox;
+- `openai_api/`: the OpenAI-compatible endpoint agents and `tinkerless serve` share;
+- `models`: model resolution and loading (SmolLM2 from its GGUF package, HF ids, local paths, tiny test models);
+  `hf_cache`: a local model placed in the HF cache; `threads`: the worker's CPU thread count.
 """

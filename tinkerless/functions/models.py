@@ -133,7 +133,7 @@ def load_model(spec: str, *, dtype: torch.dtype | None = None, device: str = "cp
     model.to(device)
     model.eval()
     # Grouped-query attention without repeat_kv's copies in no-grad CPU forwards (generation): same numbers, faster.
-    from tinkerless.functions.gqa_attention import install as install_gqa_attention
+    from tinkerless.functions.sampling.gqa_attention import install as install_gqa_attention
 
     install_gqa_attention(model)
     # Left padding keeps every prompt's last token adjacent to the generated ones.
@@ -290,7 +290,7 @@ def _gguf_special_token_ids(gguf_path: Path) -> dict[str, int]:
 
 def _check_special_tokens_agree(tokenizer, model, specials: dict[str, int]) -> None:
     """Refuse to cache a conversion whose tokenizer, config and generation config disagree on BOS/EOS/PAD."""
-    from tinkerless.functions.chat import ChatFormat
+    from tinkerless.functions.rollout.chat import ChatFormat
 
     expected = {"bos_token_id": specials.get("bos_token"), "eos_token_id": specials.get("eos_token"), "pad_token_id": specials.get("pad_token")}
     for attribute, want in expected.items():

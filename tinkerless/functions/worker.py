@@ -25,13 +25,14 @@ from typing import Any, Callable
 import torch
 
 from tinkerless.errors import ConfigError, ProtocolError, TinkerlessError, UserError
-from tinkerless.functions import lora_inference, training
-from tinkerless.functions.agent_loop import TokenCounts, run_episodes
-from tinkerless.functions.rollout_clock import TimedEngine, rollout_clock
-from tinkerless.functions.chat import ChatFormat
-from tinkerless.functions.engine import TransformersEngine
-from tinkerless.functions.multi_agent_loop import run_games
-from tinkerless.functions.policy_state import check_weights_fit, parse_policy_state, peft_config, reinit_adapter
+from tinkerless.functions.sampling import lora_inference
+from tinkerless.functions.training import forward_backward as training
+from tinkerless.functions.rollout.agent_loop import TokenCounts, run_episodes
+from tinkerless.functions.rollout.rollout_clock import TimedEngine, rollout_clock
+from tinkerless.functions.rollout.chat import ChatFormat
+from tinkerless.functions.sampling.engine import TransformersEngine
+from tinkerless.functions.rollout.multi_agent_loop import run_games
+from tinkerless.functions.training.policy_state import check_weights_fit, parse_policy_state, peft_config, reinit_adapter
 from tinkerless.functions.models import load_model, resolve_model
 from tinkerless.functions.threads import apply_threads, choose_threads
 from tinkerless.wire import decode_message, encode_message, unpack_code
@@ -107,7 +108,7 @@ class Worker:
         threads: int | None = None,
         user_code_hosts: Any = None,
     ):
-        """`user_code_hosts` (a `tinkerless.functions.user_code.UserCodeHosts`): run the env/reward/agent code
+        """`user_code_hosts` (a `tinkerless.functions.hosting.user_code.UserCodeHosts`): run the env/reward/agent code
         clients ship in each tenant's sandboxed process instead of unpickling it here (a shared server)."""
         self.model_name = model
         # Before any torch work: the default thread count oversubscribes a loaded or restricted CPU.
@@ -145,7 +146,7 @@ class Worker:
 
     def _make_engine(self, engine: str, max_batch_size: int):
         """transformers everywhere; vLLM (sampling from hot-loaded LoRA adapters) when it and a GPU are present."""
-        from tinkerless.functions.vllm_engine import VLLMEngine, vllm_available
+        from tinkerless.functions.sampling.vllm_engine import VLLMEngine, vllm_available
 
         if engine not in ("auto", "transformers", "vllm"):
             raise ConfigError(f"unknown engine {engine!r}", hint="engine='auto', 'transformers' or 'vllm'")
@@ -392,7 +393,7 @@ class Worker:
 
     def _agent_rollout(self, request: RolloutRequest, started: float) -> RolloutResult:
         """Copies of an @tinkerless.agent function against this worker's OpenAI endpoint (agent_functions.py)."""
-        from tinkerless.functions.agent_functions import run_agent_episodes
+        from tinkerless.functions.hosting.agent_functions import run_agent_episodes
 
         if request.env is not None or request.reward is not None:
             raise UserError("a rollout takes an agent or an env/reward, not both", hint="send only `agent`")
@@ -402,7 +403,7 @@ class Worker:
         stats: dict = {}
         with rollout_clock() as clock:
             if self.user_code_hosts is not None:  # a shared server: the copies run in the tenant's sandbox
-                from tinkerless.functions.hosted_agents import run_hosted_agent_episodes
+                from tinkerless.functions.hosting.hosted_agents import run_hosted_agent_episodes
 
                 episodes, stats = run_hosted_agent_episodes(self.engine, self.tokenizer, agent=agent, **options)
             else:

@@ -1,12 +1,12 @@
-"""The client side: decorators, run config, task sources, the training loop and the CLI.
+"""The client side: what a user runs on a laptop, driving the functions wherever they run.
 
-- `decorators`: `@env`, `@reward`, `@agent` (+ `AgentResult`); `agent_eval`: an agent against any OpenAI endpoint;
-- `config.TrainConfig`: every run setting, validated up front;
-- `tasks.TaskSource`: static lists, JSONL files, generator functions;
-- `advantages`: group-relative advantage estimators (GRPO, Dr.GRPO);
-- `client.TrainingClient`: Tinker-style primitives against any backend;
-- `backends`: where functions run (`local` in-process, through the wire codec;
-  `http_backend` on a `tinkerless serve` server);
-- `run_host`: where a run's coordinator and checkpoints live (`storage`, or the server: `server_runs`);
-- `trainer.train`: the RL loop; `metrics`: JSONL + PNG; `cli`: `tinkerless train|runs|eval`.
+- `config.TrainConfig`: every run setting, validated up front (`config_reference`: the generated reference);
+- `run/`: one RL run: the loop (`trainer.train`), tasks, advantages, metrics, transcripts, progress, accounting,
+  stopping and heartbeats, and who plays a multi-agent env;
+- `backends/`: where the functions run (`local` in-process through the wire codec, `http` on a
+  `tinkerless serve`, Modal and SkyPilot by name), `TrainingClient`, and where a run's state lives (`run_host`);
+- `sft/`: supervised fine-tuning; `evaluation/`: eval, pass@k, an agent against any endpoint;
+- `checkpoints/`: naming a saved policy, exporting it, warm-starting from it;
+- `cli/`: the `tinkerless` command.
+The decorators users write (`@env`, `@reward`, `@agent`) are `tinkerless.envs.decorators`.
 """

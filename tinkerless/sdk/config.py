@@ -12,9 +12,9 @@ from typing import Any, Callable
 from tinkerless.errors import ConfigError
 from tinkerless.functions.losses import LOSS_NAMES, LossConfig
 from tinkerless.envs.base import is_multi_agent
-from tinkerless.sdk.accounting import PriceTable
-from tinkerless.sdk.advantages import AdvantageConfig
-from tinkerless.sdk.agents import check_roles, seatings, trainable_policies
+from tinkerless.sdk.run.accounting import PriceTable
+from tinkerless.sdk.run.advantages import AdvantageConfig
+from tinkerless.sdk.run.agents import check_roles, seatings, trainable_policies
 
 # algo -> (advantage estimator, default loss normalization)
 ALGORITHMS = {
@@ -89,7 +89,7 @@ class TrainConfig:
     micro_batch_size: int = 16
     progress: bool = True
     transcripts_per_step: int = 4  # whole episodes sampled per step into runs/<id>/episodes.jsonl; 0 = none
-    # pay-per-use: device seconds are priced in $/hour; see tinkerless.sdk.accounting.DEFAULT_PRICES_PER_HOUR
+    # pay-per-use: device seconds are priced in $/hour; see tinkerless.sdk.run.accounting.DEFAULT_PRICES_PER_HOUR
     prices: dict[str, float] | None = None  # device name -> $/hour, tried before the defaults ("H100": 2.0)
     price_per_hour: float | None = None  # one flat $/hour for whatever device runs the functions
     # held-out evaluation while training (docs/eval.md)
@@ -168,7 +168,7 @@ class TrainConfig:
                 hint="pass only agent=my_agent (or drop agent= to train an env/reward)",
             )
         if not getattr(self.agent, "__tinkerless_agent__", False):
-            from tinkerless.sdk.decorators import agent
+            from tinkerless.envs.decorators import agent
 
             agent(self.agent)  # the same checks (an async function of (client, task)) for an undecorated one
         timeout = self.agent_timeout

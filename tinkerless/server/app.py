@@ -11,7 +11,7 @@
     /v1/models, /v1/chat/completions, /v1/completions
                              the OpenAI API: base model and trained adapters (see `openai_api`)
 
-Error bodies are still msgpack envelopes so `tinkerless.sdk.backends.call` raises the
+Error bodies are still msgpack envelopes so `tinkerless.sdk.backends.base.call` raises the
 same typed error over HTTP as in-process. One model lives in the process, so calls run
 one at a time on the `Scheduler`'s thread: in each client's sequence order
 (`X-Tinkerless-Stream` / `X-Tinkerless-Seq` headers), tenants taking turns, long
@@ -37,12 +37,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinkerless.errors import ProtocolError, SequenceReused, ServerBusy, TinkerlessError, UserError
-from tinkerless.server.body import RequestTooLarge, read_body
+from tinkerless.wire.http import RequestTooLarge, read_body
 from tinkerless.server.keys import KeyStore
 from tinkerless.server.limits import LimitExceeded, ServingLimits
 from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
-from tinkerless.functions.user_code import tenant_scope
+from tinkerless.functions.hosting.user_code import tenant_scope
 from tinkerless.server.tenancy import policy_quota, scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, QUEUE_SECONDS_HEADER
@@ -398,7 +398,7 @@ def serve(
 
     keys = KeyStore(ObjectStore(storage or "."), extra_keys=extra_keys) if auth else None
     if not single_user:
-        from tinkerless.functions.user_code import UserCodeHosts
+        from tinkerless.functions.hosting.user_code import UserCodeHosts
 
         local_storage = storage or "."
         hidden = (local_storage,) if "://" not in local_storage else ()  # tenants' code must not see it

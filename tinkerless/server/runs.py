@@ -35,7 +35,7 @@ from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs
 from tinkerless.coordinator.policy_checkpoints import restore_policies, save_policies
 from tinkerless.coordinator.state import state_key, validate_run_id
 from tinkerless.errors import BarrierTimeout, CommitConflict, ProtocolError, ServerBusy, TinkerlessError, UserError
-from tinkerless.server.body import RequestTooLarge, read_body
+from tinkerless.wire.http import RequestTooLarge, read_body
 from tinkerless.server.replies import Redactor, error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import tenant_prefix

@@ -11,7 +11,7 @@ one to the next. Four rules pick who runs:
 * **Fairness between tenants.** Among runnable jobs, tenants take turns
   (round-robin), so one tenant's long queue cannot starve another's.
 * **Time slices.** A long job (generation) reaches a safe point after every decode step
-  (`tinkerless.functions.slicing`). Once it has run `slice_seconds` while another tenant
+  (`tinkerless.functions.sampling.slicing`). Once it has run `slice_seconds` while another tenant
   has work ready, it pauses there, goes back to the front of its tenant's queue (so the
   tenant's own later calls still run after it) and its tenant to the back of the turns.
   So another tenant's small call waits for at most about one slice, not for a whole
@@ -19,7 +19,7 @@ one to the next. Four rules pick who runs:
   resumes where it stopped, with the same result it would have had unpaused.
 * **Joining.** After every decode step a generation also pauses when a call that has not
   started may start ahead of it (`_find_new_job`); that call starts at once and, if it
-  generates too, joins the running batch (`tinkerless.functions.batcher`) instead of waiting.
+  generates too, joins the running batch (`tinkerless.functions.sampling.batcher`) instead of waiting.
 * **Back-pressure.** Past `max_pending` queued jobs in all, or `max_pending_per_tenant`
   unfinished jobs of one tenant, `submit` raises `QueueFull` (HTTP 429 with Retry-After)
   instead of queueing without bound.
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from tinkerless.errors import SequenceReused, StaleDriver
-from tinkerless.functions.slicing import slice_host
+from tinkerless.functions.sampling.slicing import slice_host
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class _Stream:
 
 
 class _Host:
-    """What a running job's `slice_due` / `yield_slice` talk to (see `tinkerless.functions.slicing`)."""
+    """What a running job's `slice_due` / `yield_slice` talk to (see `tinkerless.functions.sampling.slicing`)."""
 
     def __init__(self, scheduler: Scheduler, job: Job):
         self.scheduler, self.job = scheduler, job

@@ -1,14 +1,14 @@
-"""OpenAI-compatible routes (`/v1/models`, `/v1/chat/completions`, `/v1/completions`) over a `CompletionBackend`.
+"""The OpenAI API of `tinkerless serve`: the endpoint (`tinkerless.functions.openai_api`) over this server's worker.
 
-`tinkerless serve` mounts them over its worker (`serve_backend.ServeBackend`: the base model and the
-caller's trained adapters); the rollout worker mounts them per rollout for agent functions. See docs/openai.md.
+- `serve_backend.ServeBackend`: the base model, the caller's checkpoints and live policies, on the scheduler;
+- `adapters`: checkpoint names (`<run_id>@<step>`, `tinker://...`) resolved in storage, an LRU cache of adapters.
+The routes and protocol types are re-exported here, where they lived before.
 """
 
-from tinkerless.server.openai_api.backend import (
-    CompletionBackend, OpenAIError, SampledChoice, TokenSampling, unknown_model,
+from tinkerless.functions.openai_api import (
+    CompletionBackend, OpenAIError, SampledChoice, TokenSampling, check_tools, error_body, openai_router,
+    parse_tool_calls, render_chat, template_messages, unknown_model,
 )
-from tinkerless.server.openai_api.render import check_tools, parse_tool_calls, render_chat, template_messages
-from tinkerless.server.openai_api.router import error_body, openai_router
 
 __all__ = [
     "CompletionBackend", "OpenAIError", "SampledChoice", "TokenSampling", "check_tools", "error_body",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tinkerless.coordinator.state import checkpoint_prefix, validate_run_id
 from tinkerless.errors import StorageError, StorageNotFound, UserError
-from tinkerless.server.openai_api.backend import OpenAIError
+from tinkerless.functions.openai_api.backend import OpenAIError
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.wire.messages import LoadStateRequest, PolicyState
 

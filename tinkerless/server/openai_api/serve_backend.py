@@ -10,7 +10,7 @@
 
 Every request is one job on the server's `Scheduler` like any other sample call (tenants take turns,
 long generations yield between slices, the queue bounds apply) and is checked against the server's
-`ServingLimits` first. Requests that run at the same time decode in one batch (`functions/batcher.py`),
+`ServingLimits` first. Requests that run at the same time decode in one batch (`functions/sampling/batcher.py`),
 whatever adapter each names: peft's mixed-adapter forward. A streamed request (`sample_stream`) is the
 same job, with a `TokenStream` that receives each token as the engine draws it.
 """
@@ -24,10 +24,10 @@ from typing import Any
 
 from tinkerless.errors import ServerBusy
 from tinkerless.functions.models import model_aliases, public_model_id
-from tinkerless.functions.token_stream import Cancellation, TokenStream, replay
+from tinkerless.functions.sampling.token_stream import Cancellation, TokenStream, replay
 from tinkerless.server.limits import ServingLimits
 from tinkerless.server.openai_api.adapters import SLOT_PREFIX, AdapterCache, AdapterNames, AdapterRef, NotFound
-from tinkerless.server.openai_api.backend import OpenAIError, SampledChoice, TokenSampling, unknown_model
+from tinkerless.functions.openai_api.backend import OpenAIError, SampledChoice, TokenSampling, unknown_model
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import tenant_prefix
 from tinkerless.storage import ObjectStore

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from tinkerless.errors import TinkerlessError
-from tinkerless.server.body import RequestTooLarge, read_body
+from tinkerless.wire.http import RequestTooLarge, read_body
 from tinkerless.server.replies import Redactor
 from tinkerless.server.scheduler import QueueFull
 from tinkerless.server.tinker_api.service import Proto, TinkerService

@@ -4,7 +4,7 @@ A sampler samples from the base model, from a saved `sampler_weights/` checkpoin
 snapshot of a live training model taken by `save_weights_for_sampler`. Snapshots and
 checkpoints are loaded as adapters on the worker, a few at a time (least recently used go first);
 a sample in progress pins its adapter. Every sample call is an unordered job on the shared
-scheduler, so concurrent calls decode in one batch (`tinkerless.functions.batcher`).
+scheduler, so concurrent calls decode in one batch (`tinkerless.functions.sampling.batcher`).
 """
 
 from __future__ import annotations

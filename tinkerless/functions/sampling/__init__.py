@@ -1,0 +1,10 @@
+"""The sampler: tokens drawn from the base model and any policy's adapter, many requests in one batch.
+
+- `engine`: the `Engine` interface and the transformers engine (per-row seeds, stop tokens, top logprobs);
+- `batcher`: continuous batching, every concurrent generate call decoding in one shared batch;
+- `kv_cache`: conversations' KV caches kept between turns; `gqa_attention`: copy-free grouped-query attention;
+- `lora_inference`: LoRA layers' forward without peft's per-call bookkeeping (mixed adapters in one batch);
+- `slicing`: the safe points where a long generation lets other tenants' calls run;
+- `token_stream`: each drawn token to an asyncio reader as it is drawn (and cancellation back);
+- `vllm_engine`: the same interface over vLLM, on a GPU where it is installed.
+"""

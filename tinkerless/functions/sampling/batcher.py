@@ -1,0 +1,440 @@
+"""Continuous batching: every concurrent generate call on one engine decodes in one shared batch.
+
+Each call (a Tinker `sample`, `/v1/call/sample`, a rollout's turn) registers its rows as
+`GenerationJob`s and then drives the shared batch until its own rows are done:
+
+* **Join at the next step.** Registered jobs wait for the driving thread's next step, where
+  they are prefilled in forwards of their own (so a prompt never changes the running rows'
+  results) and their KV cache is merged into the running batch, left-padded to the longer
+  cache; padding is masked and every row carries its own positions, so it takes no part in any
+  row's result.
+* **Little prefill of padding.** The joining rows are prefilled in groups of similar length
+  (`kv_cache.length_buckets`), each left-padded only to its own longest row, so the padding
+  computed stays within `max_prefill_padding` of the real tokens (0: none at all).
+* **Only what is new.** A row that continues a `KVSession` starts from its kept keys/values
+  and prefills only the prompt tokens after them; when it finishes, its keys/values go back
+  into the session for the conversation's next turn.
+* **Leave when finished.** A row that stops is dropped from the cache at once.
+* **Mixed policies in one forward.** Rows of different LoRA adapters (and of the base model)
+  go through one forward with peft's per-row `adapter_names`; a batch of one policy simply
+  activates it.
+* **Any call drives.** The server runs one model call at a time (`tinkerless.server.scheduler`).
+  Whichever generate call holds the model steps every row, its own and the others'; after each
+  step it pauses (`yield_slice`) when a not-yet-started call is queued (`join_due`: so that call
+  can start and join) or when its time slice is up. A call whose rows another call finished
+  returns at its next turn.
+* **Reproducible.** Rows draw from their own generators seeded by (seed, row index), so a
+  request gives the same tokens alone or batched with any others (up to floating-point
+  differences of batched matrix products).
+
+Outside a server several threads may call `generate` at once (a local thread pool): a lock
+makes each step atomic, so they batch too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from tinkerless.functions.sampling.kv_cache import KVSession, growing_cache, length_buckets, row_layers, stack_left_padded
+from tinkerless.functions.sampling.slicing import join_due, slice_due, yield_slice
+from tinkerless.wire.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from tinkerless.functions.sampling.engine import Generation, GenerationJob, TransformersEngine, _Row
+    from tinkerless.functions.sampling.token_stream import TokenStream
+
+BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
+
+
+@dataclass
+class _Member:
+    job: GenerationJob
+    policy: str | None
+    reach: int  # KV positions its rows may need: longest prompt + max_tokens
+
+
+@dataclass
+class _Block:
+    """Rows decoded by one forward: their members (in row order), KV cache, next input, mask, positions."""
+    members: list[_Member]
+    cache: DynamicCache | None
+    input: torch.Tensor
+    attention: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return sum(m.job.active_rows for m in self.members)
+
+    def extend(self, other: _Block) -> None:
+        """Append `other`'s rows; the shorter KV cache is left-padded (masked: it counts for no row)."""
+        width = max(self.attention.shape[1], other.attention.shape[1])
+        capacity = width - 1 + _reserve(self.members + other.members)  # one copy into buffers with room to decode
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.adopt(stack_left_padded([mine.keys, theirs.keys], width - 1, capacity),
+                       stack_left_padded([mine.values, theirs.values], width - 1, capacity), width - 1)
+        self.attention = torch.cat([_left_pad(self.attention, width, -1), _left_pad(other.attention, width, -1)])
+        self.input = torch.cat([self.input, other.input])
+        self.positions = torch.cat([self.positions, other.positions])
+        self.members += other.members
+
+
+class Batcher:
+    """The shared running batch of one `TransformersEngine` (see the module docstring)."""
+
+    def __init__(self, engine: TransformersEngine):
+        self.engine = engine
+        self._lock = threading.RLock()
+        self._waiting: list[_Member] = []  # registered, to be prefilled at the next step
+        self._running: _Block | None = None
+        # False: a generation does not pause for queued calls to join it (they wait for it to end or for
+        # a time slice), so calls decode one after another: the "before" of bench/batching.py.
+        self.join_queued_calls = True
+        # Statistics for tests and benchmarks.
+        self.steps = 0  # forwards run, prefills included
+        self.widest = 0  # the most rows one forward has decoded together
+        self.most_jobs = 0  # the most jobs (parts of requests) one forward has decoded together
+        self.prefilled_tokens = 0  # prompt tokens computed by prefills
+        self.padding_tokens = 0  # padding positions computed by prefills (left-padding within a length group)
+        self.cached_tokens = 0  # prompt tokens not prefilled: their keys/values came from a kept session
+        self.decoded_tokens = 0  # tokens fed by decode steps
+
+    @property
+    def rows(self) -> int:
+        return self._running.rows if self._running is not None else 0
+
+    def policies_in_use(self) -> set[str | None]:
+        """Policies of the generations not finished yet (running, waiting, or paused between time slices)."""
+        with self._lock:
+            members = [*self._waiting, *(self._running.members if self._running is not None else [])]
+        return {m.policy for m in members if not m.job.done}
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
+        sessions: list[KVSession] | None = None, stream: TokenStream | None = None, top_logprobs: int = 0,
+        row_seeds: list[int] | None = None,
+    ) -> list[Generation]:
+        engine = self.engine
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts")
+        if row_seeds is not None and len(row_seeds) != len(prompts):
+            raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts")
+        jobs = [engine.start(prompts[start:end], sampling, seed=seed, first_index=start, policy=policy,
+                             sessions=sessions[start:end] if sessions is not None else None,
+                             stream=stream, top_logprobs=top_logprobs,
+                             row_seeds=row_seeds[start:end] if row_seeds is not None else None)
+                for start, end in engine.batches(prompts, sampling.max_tokens)]
+        with self._lock:
+            self._waiting.extend(_Member(job, policy, job.prompt_width + sampling.max_tokens)
+                                 for job in jobs if not job.done)
+        if self.join_queued_calls and join_due():
+            yield_slice()  # let the calls queued with this one register too: one prefill admits them all
+        while not all(job.done for job in jobs):
+            with torch.no_grad():
+                while True:
+                    self.step()
+                    if all(job.done for job in jobs) or slice_due() or (self.join_queued_calls and join_due()):
+                        break
+            if not all(job.done for job in jobs):
+                yield_slice()
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+        return [generation for job in jobs for generation in job.results()]
+
+    # -- one shared step -------------------------------------------------------------
+
+    def step(self) -> None:
+        """Decode one token for every running row, then prefill the waiting jobs that fit (grouped by length)."""
+        with self._lock:
+            if self._running is not None:
+                self._running = self._guarded(self._running.members, self._forward, self._running)
+            joining = self._take_waiting()
+            if joining:
+                block = self._guarded(joining, self._prefill, joining)
+                if block is not None and self._running is None:
+                    self._running = block
+                elif block is not None:
+                    self._running.extend(block)
+
+    def _take_waiting(self) -> list[_Member]:
+        """The waiting jobs that fit in max_batch_size rows and max_batch_positions KV positions (rows x the
+        longest reach: shorter rows are left-padded to it), in arrival order; at least one into an empty batch."""
+        engine, taken = self.engine, []
+        members = self._running.members if self._running is not None else []
+        rows, reach = self.rows, max((m.reach for m in members), default=0)
+        while self._waiting:
+            member = self._waiting[0]
+            grown_rows, grown_reach = rows + member.job.active_rows, max(reach, member.reach)
+            if rows and (grown_rows > engine.max_batch_size or grown_rows * grown_reach > engine.max_batch_positions):
+                break
+            taken.append(self._waiting.pop(0))
+            rows, reach = grown_rows, grown_reach
+        return taken
+
+    def _guarded(self, members: list[_Member], forward, *args) -> _Block | None:
+        """`forward(*args)`; if it raises, every job of `members` fails with that error (each caller raises it),
+        so one bad step cannot wedge the shared batch for the others."""
+        try:
+            return forward(*args)
+        except Exception as exc:  # noqa: BLE001 - handed to the calls whose rows were in the block
+            for member in members:
+                member.job.fail(exc)
+            return None
+
+    def _run_model(self, policies: list[str | None], **inputs):
+        """One forward of rows whose policies are `policies` (one per row)."""
+        engine, kwargs = self.engine, {}
+        adapters = {policy: engine.adapter_name(policy) for policy in set(policies)}
+        names = [adapters[p] for p in policies]
+        if len(set(adapters.values())) == 1:
+            context = engine.activate_policy(policies[0])
+        else:  # rows of several adapters: one forward, each row through its own
+            kwargs["adapter_names"] = names
+            # peft honours adapter_names only with adapters enabled (after a base-model forward they are off):
+            # activating one of the batch's adapters enables them (once: a switch to the active one is skipped).
+            context = engine.activate_policy(next(p for p, name in zip(policies, names) if name != BASE_ADAPTER))
+        # Only the last position's logits. A prefill's last column as a slice is a strided view, for which
+        # torch's linear expands the LM head's weight per row (bmm): an index tensor gathers it contiguous first.
+        width = inputs["input_ids"].shape[1]
+        keep = 1 if width == 1 else torch.tensor([width - 1], device=inputs["input_ids"].device)
+        with context:
+            out = engine.model(**inputs, use_cache=True, logits_to_keep=keep, **kwargs)
+        self.steps += 1
+        self.widest = max(self.widest, inputs["input_ids"].shape[0])
+        return out
+
+    def _prefill(self, members: list[_Member]) -> _Block | None:
+        """Prefill the members' rows, grouped by the length left to prefill so that padding stays within
+        `max_prefill_padding` (one forward per group, each left-padded to its longest row; a row continuing
+        a kept session starts from its cached keys/values), then draw each row's first token."""
+        rows = [(m, row) for m in members for row in m.job.prefill_rows()]
+        # Rows with the same prompt and policy and nothing cached (a group's samples of one task) are prefilled
+        # once; each copy then decodes on its own, with its own generator.
+        unique: list[tuple[_Member, _Row]] = []
+        source: list[int] = []  # for each row, the unique row that computes its prefill
+        seen: dict[object, int] = {}
+        for i, (member, row) in enumerate(rows):
+            key = (member.policy, tuple(row.prompt)) if row.start is None else i
+            if key not in seen:
+                seen[key] = len(unique)
+                unique.append((member, row))
+            else:
+                row.shared_prefill = True
+            source.append(seen[key])
+        groups = length_buckets([len(row.to_prefill) for _, row in unique], self.engine.max_prefill_padding)
+        parts = [self._prefill_group([unique[i] for i in group]) for group in groups]
+        self.most_jobs = max(self.most_jobs, len(members))
+        order = [i for group in groups for i in group]
+        if len(parts) == 1 and order == sorted(order):
+            block, logits = parts[0]
+        else:
+            block, logits = _assemble(parts, groups, len(unique))
+        if len(unique) < len(rows):
+            block, logits = _replicate(block, logits, source)
+        block.members = members
+        return self._draw(block, logits)
+
+    def _prefill_group(self, rows: list[tuple[_Member, _Row]]) -> tuple[_Block, torch.Tensor]:
+        device = self.engine.device
+        width = max(len(row.to_prefill) for _, row in rows)
+        past = max(row.cached for _, row in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)  # pads are masked: any id does
+        attention = torch.zeros((len(rows), past + width), dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (_, row) in enumerate(rows):
+            suffix, cached = row.to_prefill, row.cached
+            ids[i, width - len(suffix):] = torch.tensor(suffix, dtype=torch.long)
+            attention[i, past - cached : past] = 1
+            attention[i, past + width - len(suffix):] = 1
+            positions[i, width - len(suffix):] = torch.arange(cached, cached + len(suffix))
+        reserve = _reserve([m for m, _ in rows])
+        cache = growing_cache(reserve=reserve)  # decode steps write into room allocated now, not a torch.cat per token
+        if past:  # the kept caches, copied once into the batch's buffers, left-padded to the longest (zeros: masked)
+            template = next(row.start.layers for _, row in rows if row.start is not None)
+            capacity = past + width + reserve
+
+            def stacked(layer: int, which: int) -> torch.Tensor:
+                like = template[layer][which]
+                empty = like.new_empty((1, like.shape[0], 0, like.shape[2]))  # a row without a kept cache: all padding
+                return stack_left_padded([row.start.layers[layer][which][None] if row.start is not None else empty
+                                          for _, row in rows], past, capacity)
+
+            cache = growing_cache([(stacked(layer, 0), stacked(layer, 1)) for layer in range(len(template))], past)
+        for _, row in rows:
+            row.start = None  # the keys/values now live in the batch
+        real = sum(len(row.to_prefill) for _, row in rows)
+        self.prefilled_tokens += real
+        self.padding_tokens += len(rows) * width - real
+        self.cached_tokens += sum(row.cached for _, row in rows)
+        out = self._run_model([m.policy for m, _ in rows], input_ids=ids.to(device), attention_mask=attention.to(device),
+                              position_ids=positions.to(device), past_key_values=cache)
+        block = _Block([], out.past_key_values, ids[:, -1:].to(device), attention.to(device), positions[:, -1:].to(device))
+        return block, out.logits[:, -1, :].float()
+
+    def _forward(self, block: _Block) -> _Block | None:
+        """One decode step over the running block, one token drawn per row; finished rows leave. None when no row is left."""
+        policies = [m.policy for m in block.members for _ in range(m.job.active_rows)]
+        out = self._run_model(policies, input_ids=block.input, attention_mask=block.attention,
+                              position_ids=block.positions, past_key_values=block.cache)
+        self.decoded_tokens += block.input.shape[0]
+        self.most_jobs = max(self.most_jobs, len(block.members))
+        block.cache = out.past_key_values
+        return self._draw(block, out.logits[:, -1, :].float())
+
+    def _draw(self, block: _Block, logits: torch.Tensor) -> _Block | None:
+        """Draw every row's next token from `logits` (`_draw_block`) and record each member's; finished rows
+        leave the batch (a row with a session leaves its keys/values there first)."""
+        picks_all, picked_all = _draw_block(block.members, logits)
+        tops_all = _top_block(block.members, logits)
+        keep: list[int] = []
+        picks: list[int] = []
+        offset = 0
+        for member in block.members:
+            count = member.job.active_rows
+            kept, drawn = member.job.record(picks_all[offset : offset + count], picked_all[offset : offset + count],
+                                            tops_all[offset : offset + count] if tops_all is not None else None)
+            for position in sorted(set(range(count)) - set(kept)):
+                row = offset + position
+                member.job.finished(position, int(block.attention[row].sum()),
+                                    lambda row=row: row_layers(block.cache.layers, row, block.attention[row]))
+            keep.extend(offset + k for k in kept)
+            picks.extend(drawn)
+            offset += count
+        block.members = [m for m in block.members if not m.job.done]
+        if not keep:
+            return None  # the KV cache goes now, not when the block is dropped
+        if len(keep) < offset:  # finished rows leave the batch: nothing is decoded (or padded) after them
+            index = torch.tensor(keep, device=block.input.device)
+            block.cache.batch_select_indices(index)
+            block.attention = block.attention[index]
+            block.positions = block.positions[index]
+        block.input = torch.tensor(picks, dtype=torch.long, device=block.attention.device)[:, None]
+        block.attention = torch.cat([block.attention, block.attention.new_ones((len(keep), 1))], dim=1)
+        block.positions = block.positions[:, -1:] + 1
+        return block
+
+
+def _draw_block(members: list[_Member], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Each row's token and its log-prob, in row order. Members that draw alike (`GenerationJob.draw_key`: the
+    same temperature and no top-k/top-p, or greedy) are drawn together, in one softmax/cumsum/searchsorted over
+    all their rows rather than one per member: every row still takes its uniform from its own generator, so it
+    draws exactly what it would alone. Rows go to Python lists once per block."""
+    groups: dict[object, list[int]] = {}  # draw key -> indices of its members
+    for i, member in enumerate(members):
+        key = member.job.draw_key
+        groups.setdefault(key if key is not None else ("alone", i), []).append(i)
+    if len(groups) == 1:  # the usual case: one draw over the whole block
+        picks, picked = members[0].job.draw(logits, [g for m in members for g in m.job.generators()])
+        return picks.tolist(), picked.tolist()
+    starts = [0]
+    for member in members:
+        starts.append(starts[-1] + member.job.active_rows)
+    picks = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    picked = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
+    for indices in groups.values():
+        rows = torch.tensor([r for i in indices for r in range(starts[i], starts[i + 1])], device=logits.device)
+        group_picks, group_picked = members[indices[0]].job.draw(
+            logits.index_select(0, rows), [g for i in indices for g in members[i].job.generators()])
+        picks[rows], picked[rows] = group_picks, group_picked
+    return picks.tolist(), picked.tolist()
+
+
+def _top_block(members: list[_Member], logits: torch.Tensor) -> list[list[tuple[int, float]]] | None:
+    """Per row, the most likely tokens and their log-probs (untempered, as the drawn tokens' log-probs), as
+    many as the block's members ask for at most (each job keeps its own k); None when none asks."""
+    k = max((m.job.top_logprobs for m in members), default=0)
+    if not k:
+        return None
+    top = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+
+
+def _assemble(parts: list[tuple[_Block, torch.Tensor]], groups: list[list[int]], count: int) -> tuple[_Block, torch.Tensor]:
+    """One block (and logits) of `count` rows from per-group prefills: group g's rows go to the indices
+    `groups[g]`, every row's cache left-padded to the widest (masked)."""
+    width = max(block.attention.shape[1] for block, _ in parts)
+    first, first_logits = parts[0]
+    device = first_logits.device
+    attention = first.attention.new_zeros((count, width))
+    positions = first.positions.new_zeros((count, 1))
+    logits = first_logits.new_empty((count, first_logits.shape[1]))
+    capacity = width + max(layer.capacity - layer.length for block, _ in parts for layer in block.cache.layers[:1])
+    layers = [(layer.keys.new_empty((count, layer.keys.shape[1], capacity, layer.keys.shape[3])),
+               layer.values.new_empty((count, layer.values.shape[1], capacity, layer.values.shape[3])))
+              for layer in first.cache.layers]
+    for (block, part_logits), group in zip(parts, groups):
+        index = torch.tensor(group, device=device)
+        own = block.attention.shape[1]
+        attention[index, width - own :] = block.attention
+        positions[index] = block.positions[:, -1:]
+        logits[index] = part_logits
+        for (keys, values), layer in zip(layers, block.cache.layers):
+            keys[index, :, : width - own] = 0  # padding: masked, but must be finite
+            values[index, :, : width - own] = 0
+            keys[index, :, width - own : width] = layer.keys
+            values[index, :, width - own : width] = layer.values
+    block = _Block([], growing_cache(layers, width), first.input.new_zeros((count, 1)), attention, positions)
+    return block, logits
+
+
+def _replicate(block: _Block, logits: torch.Tensor, source: list[int]) -> tuple[_Block, torch.Tensor]:
+    """The block with row i a copy of row source[i] (rows that share one prefill)."""
+    index = torch.tensor(source, device=logits.device)
+    cache = block.cache
+    cache.batch_select_indices(index)  # GrowingLayer: the copies keep their room to decode into
+    block = _Block([], cache, block.input[index], block.attention[index], block.positions[index])
+    return block, logits[index]
+
+
+def solo_batcher(job: GenerationJob) -> Batcher:
+    """A private batcher that runs `job` alone with the model its caller activated (`GenerationJob.advance`)."""
+    engine = _SoloEngine(job.device)
+    batcher = Batcher(engine)  # type: ignore[arg-type]
+    batcher._waiting.append(_Member(job, None, job.prompt_width + job.sampling.max_tokens))
+    return batcher
+
+
+class _SoloEngine:
+    """What a `Batcher` needs of an engine, for one job whose caller has activated the policy already."""
+
+    max_batch_size = 1 << 30
+    max_batch_positions = 1 << 62
+    max_prefill_padding = 0.0
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.model = None
+
+    def activate_policy(self, _policy):
+        return contextlib.nullcontext()
+
+    def adapter_name(self, policy):
+        return policy or BASE_ADAPTER
+
+
+# Room a batch's KV cache is allocated with beyond its prompt, at most (positions): enough for an RL turn's
+# max_tokens; a chat call's large max_tokens (usually not reached) grows by doubling instead of preallocating.
+MAX_RESERVE = 256
+
+
+def _reserve(members: list[_Member]) -> int:
+    """Positions to allocate a KV cache of these members' rows with, beyond what it holds: their longest
+    max_tokens (the most it may grow by), up to MAX_RESERVE."""
+    return min(max((m.job.sampling.max_tokens for m in members), default=0), MAX_RESERVE)
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`tensor` padded with zeros on the left of `dim` to `width` (masked positions: their values never count)."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    pad = [0, 0] * (-dim - 1) + [missing, 0]
+    return F.pad(tensor, pad)

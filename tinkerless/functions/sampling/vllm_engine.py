@@ -1,0 +1,122 @@
+"""vLLM engine: the same `Engine` interface, used when vllm and a GPU are present.
+
+vLLM serves the frozen base model and hot-loads each policy's LoRA adapter
+from the directory the worker last saved it to, so weight sync moves only
+adapter bytes. Imported lazily: vllm is an optional, GPU-only extra.
+
+Multi-turn rollouts reuse KV caches across turns through vLLM's automatic prefix
+caching (`enable_prefix_caching`), not through `KVSession` handles (which this
+engine ignores). It hits when a turn's prompt starts with the previous turn's
+exact token ids (the agent loops append sampled and observation tokens and never
+re-tokenize) under the same LoRA id: a block's hash covers its tokens, its prefix
+and the LoRA id, so each policy version keeps one stable id (`_lora_request`) and a
+new version gets a new one (a cache of old weights is never reused). Each
+`Generation` reports vLLM's `num_cached_tokens` as `cached_tokens`, so a multi-turn
+rollout's `cached_prompt_tokens` stat shows whether it hits: a check only a GPU with
+vllm installed can run (not run in this project's CI).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from tinkerless.errors import ConfigError
+from tinkerless.functions.sampling.engine import Generation, row_seed
+from tinkerless.wire.messages import GREEDY_BELOW, SamplingParams
+
+
+def vllm_available() -> bool:
+    try:
+        import torch
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        adapter_dir: Callable[[str], tuple[str, str] | None],
+        *,
+        max_lora_rank: int = 64,
+        gpu_memory_utilization: float = 0.5,
+    ):
+        if not vllm_available():
+            raise ConfigError(
+                "the vLLM engine needs the vllm package and a CUDA GPU",
+                hint="pip install 'tinkerless[vllm]' on a GPU machine, or use engine='transformers'",
+            )
+        from vllm import LLM
+
+        self.adapter_dir = adapter_dir  # policy -> (directory of its latest PEFT adapter, version tag), or None
+        self._lora_ids: dict[str, int] = {}
+        self.llm = LLM(
+            model=model_path,
+            enable_lora=True,
+            max_lora_rank=max_lora_rank,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=True,
+        )
+
+    def _lora_request(self, policy: str | None):
+        found = self.adapter_dir(policy) if policy is not None else None
+        if found is None:
+            return None
+        path, version_tag = found
+        from vllm.lora.request import LoRARequest
+
+        # A new integer id per adapter version makes vLLM load the fresh weights.
+        key = f"{policy}@{version_tag}"
+        if key not in self._lora_ids:
+            self._lora_ids[key] = len(self._lora_ids) + 1
+        return LoRARequest(key, self._lora_ids[key], path)
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
+        sessions: list | None = None, row_seeds: list[int] | None = None,
+    ) -> list[Generation]:
+        """`sessions` are ignored: vLLM's prefix cache finds a conversation's earlier turns by their tokens."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # One seed per row, as the transformers engine does: a request's repeated prompts (its
+        # num_samples) must not all draw the same sequence from one shared seed.
+        params = [
+            VSamplingParams(
+                max_tokens=sampling.max_tokens,
+                temperature=0.0 if sampling.temperature < GREEDY_BELOW else sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                seed=row_seeds[index] if row_seeds is not None else row_seed(seed, index),
+                logprobs=0,  # the sampled token's log-prob
+                **(
+                    {}
+                    if sampling.stop_token_ids is None
+                    else {"stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": True}
+                ),
+            )
+            for index in range(len(prompts))
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],  # the exact ids: prefix caching hashes them
+            params,
+            lora_request=self._lora_request(policy),
+            use_tqdm=False,
+        )
+        generations = []
+        for prompt, output in zip(prompts, outputs):
+            completion = output.outputs[0]
+            cached = min(int(getattr(output, "num_cached_tokens", 0) or 0), len(prompt))
+            tokens = list(completion.token_ids)
+            logprobs = [
+                step[token].logprob if step and token in step else -math.inf
+                for step, token in zip(completion.logprobs or [], tokens)
+            ]
+            generations.append(Generation(tokens, logprobs, "stop" if completion.finish_reason == "stop" else "length",
+                                          prefill_tokens=len(prompt) - cached, cached_tokens=cached))
+        return generations

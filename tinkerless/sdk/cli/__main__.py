@@ -1,0 +1,3 @@
+from tinkerless.sdk.cli.main import main
+
+raise SystemExit(main())

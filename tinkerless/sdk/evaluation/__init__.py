@@ -1,0 +1,6 @@
+"""Measuring a policy without training it.
+
+- `evaluate`: `evaluate()`, the env's own episodes with a checkpoint, an adapter or the base model;
+- `agent_eval`: an `@tinkerless.agent` function against any OpenAI-compatible endpoint;
+- `pass_at_k`: the unbiased pass@k estimator.
+"""

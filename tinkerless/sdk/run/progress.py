@@ -1,0 +1,61 @@
+"""A tqdm progress bar with live reward, loss, tokens/s and the run's compute so far (seconds, $)."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from tinkerless.sdk.run.accounting import format_cost
+
+
+class Progress:
+    def __init__(self, total: int, initial: int = 0, *, enabled: bool = True, description: str = ""):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=description, unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict) -> None:
+        if self.bar is None:
+            return
+        self.bar.set_postfix(
+            reward=_fmt(record.get("reward_mean")),
+            loss=_fmt(record.get("loss"), 3, "g"),
+            tok_s=_fmt(record.get("tokens_per_s"), 1),
+            err=record.get("episodes_error", 0),
+            compute_s=_fmt(record.get("compute_s/total"), 1),
+            trunc=_percent(record.get("episodes_truncated_frac")),
+            cost=_cost(record),
+            refresh=False,
+        )
+        self.bar.update(1)
+
+    def write(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.write(message)
+
+    def warn(self, message: str) -> None:
+        """A message the user must see even without a progress bar (then it goes to stderr)."""
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fmt(value, digits: int = 3, kind: str = "f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}{kind}}"
+
+
+def _percent(fraction) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
+
+
+def _cost(record: dict) -> str:
+    return format_cost(record["cost_usd"]) if "cost_usd" in record else "-"

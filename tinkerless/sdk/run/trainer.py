@@ -1,0 +1,533 @@
+"""`train()`: the RL loop, driven from the client, identical for every backend.
+
+Per step: rollout (functions) → group-relative advantages (client) →
+optional forward for TIS/KL (functions) → update (functions) → commit
+(coordinator) → metrics and, every N steps, a verified checkpoint (storage).
+The coordinator and checkpoints live where the `RunHost` says: in `storage`, or on
+the `tinkerless serve` server the backend talks to.
+The backend's compute seconds are attributed to the phase they ran in and priced
+(`accounting.RunUsage`): per step in the metrics, per run in the coordinator summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tinkerless.coordinator import Coordinator
+from tinkerless.errors import EnvError, UserError
+from tinkerless.sdk.run.accounting import RunUsage, format_usage, latest_usage
+from tinkerless.sdk.run.advantages import group_advantages
+from tinkerless.sdk.backends.base import Backend, device_of, make_backend, with_usage
+from tinkerless.sdk.backends.client import TrainingClient, free_policies
+from tinkerless.sdk.evaluation.evaluate import eval_columns, held_out_tasks
+from tinkerless.sdk.evaluation.evaluate import play as play_eval
+from tinkerless.sdk.config import TrainConfig
+from tinkerless.sdk.run.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
+from tinkerless.envs.base import is_multi_agent
+from tinkerless.sdk.run.agents import frozen_adapters, trainable_policies
+from tinkerless.sdk.run.metrics import (
+    MetricsWriter,
+    describe_rewards,
+    plot_metrics,
+    plot_outcomes,
+    read_metrics,
+    reward_summary,
+)
+from tinkerless.sdk.run.multi_agent import build_seats, play_step
+from tinkerless.sdk.run.progress import Progress
+from tinkerless.sdk.run.step_metrics import agent_metrics, mean, step_record
+from tinkerless.sdk.backends.run_host import run_host_for
+from tinkerless.sdk.run import truncation
+from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
+from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE, episode_record
+from tinkerless.sdk.run.transcripts import sample as sample_episodes
+from tinkerless.wire import pack_code
+from tinkerless.wire.runs import CheckpointPolicy
+from tinkerless.wire.messages import (
+    AdamParams,
+    Datum,
+    Episode,
+    EpisodeLimits,
+    LoraConfig,
+    MultiAgentRolloutRequest,
+    PolicyState,
+    RolloutRequest,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+
+CLIENT_STATE_FILE = "client.json"
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_dir: Path
+    metrics: list[dict] = field(default_factory=list)
+    last_checkpoint_step: int | None = None
+    plot_path: Path | None = None
+    events: list[tuple[int, str, str]] = field(default_factory=list)
+    usage: dict = field(default_factory=dict)  # compute seconds per phase and function, device, cost (RunUsage.summary)
+
+
+def train(config: TrainConfig | None = None, *, backend: Backend | str | None = None, **settings: Any) -> RunResult:
+    """Train a policy by RL. `train(model=..., env=..., reward=..., tasks=..., steps=...)` or `train(config)`."""
+    if config is None:
+        config = TrainConfig().replace(**{k: v for k, v in settings.items() if k != "backend"})
+    elif settings:
+        config = config.replace(**settings)
+    if isinstance(backend, str):
+        config = config.replace(backend=backend)
+    config.validate()
+    with interruptible():  # SIGTERM stops a run like Ctrl-C: marked interrupted, resumable
+        return _Run(config, backend if not isinstance(backend, (str, type(None))) else None).run()
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
+class _Run:
+    def __init__(self, config: TrainConfig, backend: Backend | None):
+        self.config = config
+        self.heartbeat_s = heartbeat_interval()  # a bad $TINKERLESS_HEARTBEAT_S fails before anything starts
+        # Package user code first: an unpicklable env fails here, before any model loads.
+        self.env_code = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
+        self.reward_code = (
+            pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
+        )
+        self.agent_code = pack_code(config.agent, name=getattr(config.agent, "__qualname__", None)) if config.agent else None
+        self.tasks = TaskSource(config.tasks, seed=config.seed)
+        if config.env is not None:
+            check_reset_fields(config.env, self.tasks, count=config.batch_size)
+        self.multi_agent = config.env is not None and is_multi_agent(config.env)
+        self.eval_tasks = held_out_tasks(config) if config.eval_every else None  # a bad set fails before the model loads
+        self.policies = trainable_policies(config.agents) if self.multi_agent else ["default"]
+        self.seats = build_seats(config.agents) if self.multi_agent else []
+        self.events: list[tuple[int, str, str]] = []  # (step, event, policy): the barrier's observable order
+        self.backend = with_usage(
+            backend
+            or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size,
+                            **({"threads": config.threads} if config.backend == "local" and config.threads else {}))
+        )
+        try:
+            # The run's state and checkpoints: in `storage`, or on the server the backend talks to.
+            self.host = run_host_for(self.backend, config.storage, config.storage_options)
+            if config.init_from and not config.resume:  # a wrong source fails before the run exists
+                from tinkerless.sdk.checkpoints.warm_start import check_init_from
+
+                check_init_from(config.init_from, self.host, config.model, config.lora_rank)
+            self.coordinator, start = self._open_run()
+        except BaseException:
+            self.backend.close()
+            raise
+        self.run_id = self.coordinator.run_id
+        self.heartbeat = Heartbeat(self.coordinator, self.heartbeat_s).start()
+        self.checkpoints = self.host.checkpoints(self.run_id, config.keep_checkpoints, self.coordinator)
+        self.run_dir = self.host.run_dir(self.run_id)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+        self.transcripts = MetricsWriter(self.run_dir / TRANSCRIPTS_FILE)  # a sample of each step's episodes
+        self.cursor = 0
+        self.step = 0
+        self._versions: dict[str, int] = {}
+        self._truncation_warned = False
+        self._checkpoint_in_flight: int | None = None  # the step whose checkpoint is being written
+        try:
+            # A resumed run goes on billing from what its earlier attempts used.
+            prior = latest_usage(self.coordinator.state.summary) if start else None
+            self.usage = RunUsage(self.backend.usage, config.price_table(), prior=prior)
+            with self.usage.phase("setup"):
+                self.usage.device = device_of(self.backend)
+                # Worker-side policy names are scoped to this run: a shared server holds many runs' adapters.
+                self.namespace = "r" + hashlib.sha256(f"{self.host.where}|{self.run_id}".encode()).hexdigest()[:10]
+                self.clients = {
+                    name: TrainingClient(
+                        self.backend,
+                        policy=name,
+                        lora=LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed + i),
+                        namespace=self.namespace,
+                    )
+                    for i, name in enumerate(self.policies)
+                }
+                self._load_frozen_adapters()
+                if start:
+                    self._restore()
+                elif config.init_from:
+                    self._warm_start()
+        except BaseException as exc:
+            self._stop(exc)  # never leave a run that looks alive
+            if isinstance(exc, KeyboardInterrupt):
+                raise self._interrupted(exc) from None
+            raise
+
+    def _open_run(self) -> tuple[Coordinator, bool]:
+        config = self.config
+        if config.resume:
+            run_id = config.run_id or self.host.latest_run_id(config.name)
+            coordinator = self.host.open(run_id)
+            if coordinator.state.config.get("kind") == "sft":  # checked before anything of that run changes
+                raise UserError(
+                    f"run {run_id!r} is an SFT run, so `train --resume` cannot continue it",
+                    hint=f"resume it with `tinkerless sft DATA --resume --run-id {run_id}`, or start an RL run "
+                    f"from it with init_from='{run_id}@latest'",
+                )
+            return coordinator, True
+        run_id = config.run_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16**4):04x}"
+        return self.host.create(run_id, config.summary()), False
+
+    # ---- checkpoints -----------------------------------------------------------
+    def _checkpoint_policies(self, versions: dict[str, int] | None = None) -> list[CheckpointPolicy]:
+        return [
+            CheckpointPolicy(name, _policy_prefix(name), client.remote(name), (versions or {}).get(name, 0))
+            for name, client in self.clients.items()
+        ]
+
+    def _restore(self) -> None:
+        restored = self.checkpoints.restore(self._checkpoint_policies(), [CLIENT_STATE_FILE])
+        if restored.step is None:
+            self._say(f"run {self.run_id}: no valid checkpoint, starting from step 0")
+            self.coordinator.reset_to_checkpoint(0, self.config.summary())
+            self.metrics.truncate_after(-1)
+            self.transcripts.truncate_after(-1)
+            if self.config.init_from:  # the reset dropped the warm start: load it again
+                self._warm_start()
+            return
+        client_state = json.loads(restored.files[CLIENT_STATE_FILE])
+        self._versions.update(client_state["policy_versions"])
+        self.step, self.cursor = client_state["step"], client_state["cursor"]
+        random.setstate(_tuplify(client_state["python_random"]))
+        np.random.set_state(tuple(client_state["numpy_random"][:1]) + (np.array(client_state["numpy_random"][1], dtype=np.uint32),) + tuple(client_state["numpy_random"][2:]))
+        self.coordinator.reset_to_checkpoint(self.step, self.config.summary())
+        self.metrics.truncate_after(self.step - 1)
+        self.transcripts.truncate_after(self.step - 1)
+        self._say(f"run {self.run_id}: resumed from checkpoint step-{self.step}")
+
+    def _warm_start(self) -> None:
+        from tinkerless.sdk.checkpoints.warm_start import apply_init_from
+
+        config = self.config
+        loaded = apply_init_from(config.init_from, self.clients["default"], self.host, config.model, config.lora_rank)
+        self._say(f"run {self.run_id}: warm start from {loaded.source}")
+
+    def _save_checkpoint(self, policy_versions: dict[str, int]) -> None:
+        numpy_state = np.random.get_state()
+        client_state = {
+            "step": self.step,
+            "cursor": self.cursor,
+            "policy_versions": policy_versions,
+            "python_random": random.getstate(),
+            "numpy_random": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+        }
+        files = {CLIENT_STATE_FILE: json.dumps(client_state).encode()}
+        self._finish_checkpoint()  # one write in flight: the previous one commits first
+        # The policies are snapshotted now; the write and its commit overlap the next step.
+        self.checkpoints.save(
+            self.step, self._checkpoint_policies(policy_versions), files, {"run_id": self.run_id}, background=True
+        )
+        self._checkpoint_in_flight = self.step
+
+    def _finish_checkpoint(self, *, wait: bool = True) -> float:
+        """Record the checkpoint in flight once it is committed (waiting for it unless `wait` is False);
+        returns the seconds waited. A failed write raises here, in the loop."""
+        if self._checkpoint_in_flight is None or (not wait and getattr(self.checkpoints, "busy", False)):
+            return 0.0
+        started = time.perf_counter()
+        self.checkpoints.flush()
+        step, self._checkpoint_in_flight = self._checkpoint_in_flight, None
+        self.coordinator.record_checkpoint(step)
+        return time.perf_counter() - started
+
+    # ---- the loop ----------------------------------------------------------------
+    def run(self) -> RunResult:
+        config = self.config
+        progress = Progress(total=config.steps, initial=self.step, enabled=config.progress, description=self.run_id)
+        try:
+            checkpoint_s = 0.0  # a checkpoint's time is reported with the next step's record
+            while self.step < config.steps:
+                held_out = self._held_out_eval() if config.eval_every and self.step % config.eval_every == 0 else {}
+                record, policy_versions = self._train_step()
+                record.update(held_out)
+                with uninterrupted():
+                    checkpoint_s += self._finish_checkpoint(wait=False)  # committed by now, as a rule
+                record["storage_s"] += checkpoint_s
+                record.update(self.usage.step_columns())
+                # The step's line goes out before its checkpoint: a crash in between leaves a line that
+                # resume truncates (it resumes from the previous checkpoint), never a checkpoint without its line.
+                self.metrics.log(record)
+                self.step += 1
+                started = time.perf_counter()
+                if self.step % config.checkpoint_every == 0 or self.step == config.steps:
+                    with uninterrupted(), self.usage.phase("storage"):  # save_state runs on the functions
+                        self._save_checkpoint(policy_versions)
+                checkpoint_s = time.perf_counter() - started
+                progress.update(record)
+                if "warning" in record:
+                    progress.warn(record["warning"])
+                for error in record.get("errors", [])[:1]:
+                    progress.write(f"step {record['step']}: episode dropped: {error['error']}")
+            with uninterrupted(), self.usage.phase("storage"):
+                self._finish_checkpoint()  # the last checkpoint is committed before the run is finished
+            progress.close()
+            records = read_metrics(self.run_dir / "metrics.jsonl")
+            plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
+            usage = self.usage.summary()
+            self.heartbeat.stop()
+            self.coordinator.finish("finished", {**reward_summary(records), "usage": usage})
+        except BaseException as exc:
+            progress.close()
+            self._stop(exc)  # cloud backends stop their apps and clusters' clients here too
+            if isinstance(exc, KeyboardInterrupt):
+                raise self._interrupted(exc) from None
+            raise
+        free_policies([*self.clients.values(), *self._frozen_clients()])
+        self.backend.close()
+        if self.multi_agent:
+            plot_outcomes(self.run_dir / "metrics.jsonl", self.run_dir / "outcomes.png", self.policies, title=self.run_id)
+        result = RunResult(
+            self.run_id, self.run_dir, records, self.coordinator.state.last_checkpoint_step, Path(plot), self.events, usage
+        )
+        self._say(_final_report(result))
+        return result
+
+    def _stop(self, exc: BaseException) -> None:
+        """End a run that raised: `interrupted` for Ctrl-C/SIGTERM, else `failed`; then free the backend."""
+        self.heartbeat.stop()
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        try:
+            with uninterrupted():  # a checkpoint being written still commits: a resume starts from it
+                self._finish_checkpoint()
+        except Exception as error:  # the previous checkpoint stays in force
+            self._say(f"run {self.run_id}: the checkpoint being written did not commit: {error}")
+        try:
+            with uninterrupted():  # a second signal must not leave the run marked running
+                self.coordinator.finish(status, self._usage_summary())
+        except Exception as error:  # keep the run's own error; the stale heartbeat will tell the story
+            self._say(f"run {self.run_id}: could not mark the run {status}: {error}")
+        except KeyboardInterrupt:  # a second signal while marking it: the run is stopping anyway
+            pass
+        finally:
+            self.backend.close()
+
+    def _interrupted(self, exc: KeyboardInterrupt) -> RunInterrupted:
+        name = exc.signal_name if isinstance(exc, RunInterrupted) else "SIGINT"
+        return RunInterrupted(name, self.run_id, self.coordinator.state.last_checkpoint_step)
+
+    def _usage_summary(self) -> dict | None:
+        """What a failed run used so far (None if it failed before its backend existed)."""
+        usage = getattr(self, "usage", None)
+        return None if usage is None else {"usage": usage.summary()}
+
+    def _held_out_eval(self) -> dict:
+        """eval_every: the policy this step samples from plays eval_tasks (same seed every time), never trained on."""
+        with self.usage.phase("rollout"):
+            report = play_eval(self.clients["default"], self.config, self.eval_tasks,
+                                  samples=self.config.group_size, seed=self.config.seed)
+        return eval_columns(report)
+
+    def _train_step(self) -> tuple[dict, dict[str, int]]:
+        config, step = self.config, self.step
+        timings = {"rollout_s": 0.0, "forward_s": 0.0, "update_s": 0.0, "storage_s": 0.0}
+        self._rollout_stats: dict = {}
+        started = time.perf_counter()
+        with self.usage.phase("rollout"):
+            self.coordinator.begin_rollout(step, participants=self.policies)
+            tasks, self.cursor = self.tasks.batch(self.cursor, config.batch_size)
+            episodes = self._multi_agent_rollouts(tasks) if self.multi_agent else self._rollouts(tasks)
+            # global barrier: every policy's rollouts are in
+            self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)
+        timings["rollout_s"] = time.perf_counter() - started
+        self._check_errors(episodes)
+
+        self.coordinator.begin_update(step)
+        metrics: dict[str, dict] = {}
+        versions: dict[str, int] = {}
+        for name, client in self.clients.items():
+            self._event("update_start", name)
+            own = [e for e in episodes if e.status != "error" and e.info.get("policy", "default") == name]
+            metrics[name], versions[name] = self._update(client, own, timings)
+        reward_mean = mean([e.reward for e in episodes if e.status != "error"])
+        # Usage so far rides along, so a killed run's state still says what it used (and a resume adds to it).
+        self.coordinator.commit_update(step, {"reward_mean": reward_mean, "usage": self.usage.summary()})
+        self._event("committed", "*")
+        record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started, self._rollout_stats)
+        record.update(truncation.columns(episodes, config.turn_limit()))
+        if not self._truncation_warned and truncation.warrants_warning(record):
+            self._truncation_warned = True  # once per run: the metrics line and the console say it
+            record["warning"] = truncation.warning(record, config)
+        if self.multi_agent:
+            record.update(agent_metrics(episodes, self.policies))
+        record.update(agent_result_metrics(episodes))
+        limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
+        for episode in sample_episodes(episodes, config.transcripts_per_step):
+            task = tasks[episode.task_index] if 0 <= episode.task_index < len(tasks) else None
+            self.transcripts.log(episode_record(episode, limits, step=step, task=task))
+        return record, versions
+
+    def _rollouts(self, tasks: list[dict]) -> list[Episode]:
+        config = self.config
+        request = RolloutRequest(
+            policy="default",
+            tasks=tasks,
+            group_size=config.group_size,
+            sampling=self._sampling(),
+            limits=EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens),
+            seed=_step_seed(config.seed, self.step),
+            env=self.env_code,
+            reward=self.reward_code,
+            system_prompt=config.system_prompt,
+            agent=self.agent_code,
+            agent_timeout=config.agent_timeout,
+            agent_transport=config.agent_transport,
+        )
+        result = self.clients["default"].rollout(request)
+        self._rollout_stats = result.stats  # where the rollout's seconds and tokens went, for the metrics
+        episodes = result.episodes
+        self.coordinator.submit_rollout(self.step, "default")
+        self._event("rollouts_in", "default")
+        return episodes
+
+    def _multi_agent_rollouts(self, tasks: list[dict]) -> list[Episode]:
+        config = self.config
+
+        def make_request(seats, index):
+            return MultiAgentRolloutRequest(
+                tasks=tasks,
+                group_size=config.group_size,
+                env=self.env_code,
+                seats=seats,
+                sampling=self._sampling(),
+                limits=EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens),
+                seed=_step_seed(config.seed, self.step) + index,
+                protocol_timeout=config.protocol_timeout,
+            )
+
+        any_client = next(iter(self.clients.values()))
+        episodes, self._rollout_stats = play_step(
+            self.seats, make_request, any_client.rollout_multi, self.coordinator, self.step, self._event
+        )
+        return episodes
+
+    def _sampling(self) -> SamplingParams:
+        config = self.config
+        return SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p)
+
+    def _check_errors(self, episodes: list[Episode]) -> None:
+        errors = [e for e in episodes if e.status == "error"]
+        if errors and (self.config.on_env_error == "raise" or len(errors) == len(episodes)):
+            first = errors[0]
+            raise EnvError(
+                f"{len(errors)} of {len(episodes)} episodes failed at step {self.step}; first: {first.error}\n{first.traceback or ''}",
+                hint="fix the env/reward; with on_env_error='skip' failing episodes are dropped and the run goes on"
+                if self.config.on_env_error == "raise"
+                else "every episode failed, so there is nothing to train on; fix the env/reward",
+            )
+
+    def _update(self, client: TrainingClient, episodes: list[Episode], timings: dict) -> tuple[dict, int]:
+        config = self.config
+        data = self._datums(episodes)
+        loss = config.loss_config()
+        if config.tis_cap is not None:
+            # One update per rollout: the policy is still the one that sampled, so the update's own
+            # log-probs are TIS's old log-probs and no separate forward is needed for them.
+            loss = dataclasses.replace(loss, old_logprobs_current=True)
+        if data and config.kl_coef > 0:  # the reference (base model) log-probs still need their own pass
+            t = time.perf_counter()
+            with self.usage.phase("forward"):
+                forward = client.forward(data, with_reference=config.kl_coef > 0)
+            for i, datum in enumerate(data):
+                datum.old_logprobs = forward.logprobs[i]
+                if forward.ref_logprobs is not None:
+                    datum.ref_logprobs = forward.ref_logprobs[i]
+            timings["forward_s"] += time.perf_counter() - t
+        if not data:  # every group had equal rewards: no signal, no step
+            return {"trained_sequences": 0}, self._versions.get(client.policy, 0)
+        t = time.perf_counter()
+        adam = AdamParams(learning_rate=config.learning_rate, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
+        with self.usage.phase("update"):
+            update = client.update(data, loss, adam)
+        timings["update_s"] += time.perf_counter() - t
+        self._versions[client.policy] = update.policy_version
+        return {**update.metrics, "trained_sequences": len(data)}, update.policy_version
+
+    def _event(self, event: str, policy: str) -> None:
+        self.events.append((self.step, event, policy))
+
+    def _frozen_clients(self) -> list[TrainingClient]:
+        names = frozen_adapters(self.config.agents).values() if self.multi_agent else []
+        return [TrainingClient(self.backend, name, create=False, namespace=self.namespace) for name in names]
+
+    def _load_frozen_adapters(self) -> None:
+        from tinkerless.sdk.evaluation.evaluate import adapter_files
+
+        for path, name in (frozen_adapters(self.config.agents).items() if self.multi_agent else []):
+            frozen = TrainingClient(self.backend, name, create=False, namespace=self.namespace)
+            frozen.load_state(PolicyState(name, adapter_files(path)), include_optimizer=False)
+
+    def _datums(self, episodes: list[Episode]) -> list[Datum]:
+        if not episodes:
+            return []
+        # Groups: the same task played from the same seat (role and seating) by this policy.
+        groups = [(e.task_index, e.info.get("role"), e.info.get("seating")) for e in episodes]
+        advantages = group_advantages([e.reward for e in episodes], groups, self.config.advantage_config())
+        data = []
+        for episode, advantage in zip(episodes, advantages):
+            # An agent that rewrote its context has several sequences: each is trained with the episode's advantage.
+            for sequence in episode.sequences():
+                if advantage == 0.0 or sequence.mask.sum() == 0:
+                    continue  # contributes no gradient
+                data.append(
+                    Datum(
+                        tokens=sequence.tokens,
+                        mask=sequence.mask,
+                        advantages=(sequence.mask * advantage).astype(np.float32),
+                        sampler_logprobs=sequence.sampler_logprobs,
+                    )
+                )
+        return data
+
+    def _say(self, message: str) -> None:
+        print(message, flush=True)
+
+
+def _final_report(result: RunResult) -> str:
+    return (
+        f"run {result.run_id} finished: {describe_rewards(reward_summary(result.metrics))}\n"
+        f"  metrics: {result.run_dir / 'metrics.jsonl'}\n  plot:    {result.plot_path}\n"
+        f"  episodes: {result.run_dir / TRANSCRIPTS_FILE}\n"
+        f"  checkpoint: step-{result.last_checkpoint_step} (resume with --resume --run-id {result.run_id})"
+        + (f"\n  compute: {format_usage(result.usage)}" if result.usage else "")
+    )
+
+
+def agent_result_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """The step means of the metrics agents returned in `AgentResult.metrics`, as `agent/<name>` columns."""
+    values: dict[str, list[float]] = {}
+    for episode in episodes:
+        if episode.status != "error":
+            for name, value in (episode.info.get("agent_metrics") or {}).items():
+                values.setdefault(name, []).append(float(value))
+    return {f"agent/{name}": mean(column) for name, column in values.items()}
+
+
+def _policy_prefix(name: str) -> str:
+    """Checkpoint file prefix: the single-agent policy keeps PEFT's layout at the top (step-n/adapter/)."""
+    return "" if name == "default" else f"policies/{name}/"
+
+
+def _tuplify(value: Any) -> Any:
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
+
+
+__all__ = ["RunResult", "train"]
