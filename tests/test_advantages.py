@@ -106,7 +106,7 @@ def test_drop_constant_groups():
 
 def test_module_is_light():
     # load the file on its own (not via tinkerless.sdk/__init__, which others own) and check no torch/numpy
-    path = Path(__file__).resolve().parents[1] / "tinkerless" / "sdk" / "advantages.py"
+    path = Path(__file__).resolve().parents[1] / "tinkerless" / "sdk" / "run" / "advantages.py"
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('adv', {str(path)!r})\n"

@@ -1,6 +1,6 @@
 """Agent calls gathered into one generate call sample exactly what each would sample alone.
 
-The gather (functions/agent_functions._Gather) batches the calls of concurrent agent copies. Which calls
+The gather (functions/hosting/agent_functions._Gather) batches the calls of concurrent agent copies. Which calls
 meet in a batch, and in what order, depends on timing; a call's tokens and log-probs must not.
 """
 

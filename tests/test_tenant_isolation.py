@@ -254,7 +254,7 @@ def test_a_hosted_call_that_kills_or_hangs_its_host_fails_alone_and_the_host_com
 
 def test_a_shared_server_without_bubblewrap_refuses_to_start(monkeypatch):
     from tinkerless.envs.sandbox import SandboxUnavailable
-    from tinkerless.server.app import serve
+    from tinkerless.server.serving import serve
 
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(SandboxUnavailable, match="bubblewrap") as caught:

@@ -19,7 +19,8 @@ from tinkerless.wire.messages import (
     SampleRequest, SamplingParams, SaveStateRequest, Seat, UpdateRequest,
 )
 from tinkerless.wire.runs import CheckpointPolicy, RestoreCheckpointRequest, RunListRequest, SaveCheckpointRequest
-from tinkerless.wire.validate import MAX_DEPTH, run_call_args, validate
+from tinkerless.wire.run_calls import run_call_args
+from tinkerless.wire.validate import MAX_DEPTH, validate
 
 VOCAB = 100
 

@@ -2,6 +2,8 @@
 
 - `base`: `StepResult` (single-agent `step`), `MultiStepResult` (multi-agent `step`), reward checks;
 - `tools`: `@tool`, `ToolEnv` and the tool-calling format (`<tool_call>{...}</tool_call>`, `<answer>...</answer>`);
+  its parts are `tool_schema` (`@tool`, `Tool`: JSON schemas from annotations and docstrings, argument checks)
+  and `tool_format` (reading a model's turn, describing tools, formatting results); all importable from `tools`;
 - `calculator`: math word problems with a calculator tool;
 - `python_tool`: problems solved by running model-written Python in `sandbox` (bubblewrap: its own uid and
   namespaces, seccomp and limits; a `modal.Sandbox` on Modal; see docs/sandbox.md);

@@ -3,9 +3,12 @@
 - `worker.Worker`: one base model, one LoRA adapter + optimizer per policy; `handle(method, bytes)` runs
   `rollout`, `forward`, `update` (and `sample`, `forward_backward`, `optim_step`, `save_state`, `load_state`)
   on wire types. It is the function surface every backend calls;
+- `policies`: the policies' LoRA adapters on the one peft model (adding, re-initializing, dropping, switching
+  them; the vLLM engine's adapter directories);
 - `sampling/`: the sampler (engines, continuous batching, KV caches, the LoRA fast path);
 - `training/`: log-probs and gradients in bounded memory; `losses`: the RL and SFT losses;
-- `rollout/`: the episode loops, single- and multi-agent, and chat formatting in token space;
+- `rollout/`: a rollout request served (`requests`: its episode loop and the code its client shipped), the
+  episode loops, single- and multi-agent, and chat formatting in token space;
 - `hosting/`: users' env, reward and agent code next to the model, behind the sandbox;
 - `openai_api/`: the OpenAI-compatible endpoint agents and `tinkerless serve` share;
 - `models`: model resolution and loading (SmolLM2 from its GGUF package, HF ids, local paths, tiny test models);

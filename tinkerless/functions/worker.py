@@ -5,37 +5,34 @@ Tinker-style primitives `sample`, `forward_backward`, `optim_step`,
 `save_state`, `load_state`) as methods on wire types, and `handle()` which
 takes and returns bytes: the single entry point every backend calls (the
 local backend in-process, the HTTP server, Modal functions).
+
+The adapters themselves (peft's model, adding, dropping and switching them) live in `policies`, and the
+episode loops a rollout request runs in `rollout.requests`; the worker checks requests and calls them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import math
 import os
-import shutil
 import tempfile
-import time
 import traceback
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from tinkerless.errors import ConfigError, ProtocolError, TinkerlessError, UserError
-from tinkerless.functions.sampling import lora_inference
+from tinkerless.functions.rollout import requests as rollout_requests
+from tinkerless.functions.policies import Policy, PolicyAdapters
 from tinkerless.functions.training import forward_backward as training
-from tinkerless.functions.rollout.agent_loop import TokenCounts, run_episodes
-from tinkerless.functions.rollout.rollout_clock import TimedEngine, rollout_clock
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.sampling.engine import TransformersEngine
-from tinkerless.functions.rollout.multi_agent_loop import run_games
-from tinkerless.functions.training.policy_state import check_weights_fit, parse_policy_state, peft_config, reinit_adapter
+from tinkerless.functions.training.policy_state import check_weights_fit, parse_policy_state
 from tinkerless.functions.models import load_model, resolve_model
 from tinkerless.functions.threads import apply_threads, choose_threads
-from tinkerless.wire import decode_message, encode_message, unpack_code
+from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.code import CodeBlob
 from tinkerless.wire.validate import validate
 from tinkerless.wire.messages import (
@@ -47,7 +44,6 @@ from tinkerless.wire.messages import (
     ForwardRequest,
     ForwardResult,
     LoadStateRequest,
-    LoraConfig,
     MultiAgentRolloutRequest,
     OptimStepRequest,
     OptimStepResult,
@@ -68,7 +64,6 @@ from tinkerless.wire.messages import (
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
-
 _REQUEST_TYPES = {
     "create_policy": CreatePolicyRequest,
     "delete_policy": DeletePolicyRequest,
@@ -83,14 +78,6 @@ _REQUEST_TYPES = {
     "save_state": SaveStateRequest,
     "load_state": LoadStateRequest,
 }
-
-
-@dataclass
-class _Policy:
-    lora: LoraConfig
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.AdamW
-    version: int = 0
 
 
 class Worker:
@@ -116,23 +103,25 @@ class Worker:
         apply_threads(self.threads)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.base_model, self.tokenizer = load_model(model, device=self.device)
-        self.model: Any = self.base_model  # becomes a PeftModel with the first policy
         self.chat = ChatFormat(self.tokenizer, self.base_model.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.micro_batch_size = micro_batch_size
-        self.policies: dict[str, _Policy] = {}
+        self.adapters = PolicyAdapters(self.base_model)
         # Called with a new policy's name before it is created; a server sets it to enforce a tenant's
         # policy quota (`ServingLimits.max_policies_per_tenant`), which it raises LimitExceeded to refuse.
         self.policy_guard: Callable[[str], None] | None = None
-        # The adapter state the model is in, so that switching to the state it is in already costs nothing
-        # (peft's set_adapter and disable_adapter walk every module: 15-65 ms on SmolLM2, once per decode step).
-        # A policy's name: its adapter active and every adapter enabled; BASE_POLICY: every adapter disabled;
-        # None: unknown (peft added, deleted or re-set adapters), the next switch is made in full.
-        self._adapter_state: str | None = None
         self._code_cache: dict[str, Any] = {}
         self.user_code_hosts = user_code_hosts
-        self._adapter_root = tempfile.mkdtemp(prefix="tinkerless-adapters-")
         self.engine = self._make_engine(engine, max_batch_size)
+
+    @property
+    def model(self) -> Any:
+        """The base model, then (from the first policy on) the PeftModel holding every policy's adapter."""
+        return self.adapters.model
+
+    @property
+    def policies(self) -> dict[str, Policy]:
+        return self.adapters.policies
 
     @property
     def vocab_size(self) -> int:
@@ -154,22 +143,14 @@ class Worker:
             return VLLMEngine(resolve_model(self.model_name), self._adapter_snapshot)
         return TransformersEngine(
             self.base_model, self.tokenizer, self.chat.eos_token_ids, self._activate, max_batch_size=max_batch_size,
-            adapter_of=self._adapter_name,
+            adapter_of=self.adapters.adapter_name,
         )
 
     def _adapter_snapshot(self, policy: str) -> tuple[str, str] | None:
         """The policy's current adapter as a PEFT directory (written once per version) for the vLLM engine."""
-        if policy == BASE_POLICY:
-            return None
-        version = self._policy(policy).version
-        directory = os.path.join(self._adapter_root, policy, f"v{version}")
-        if not os.path.exists(os.path.join(directory, "adapter_config.json")):
-            os.makedirs(directory, exist_ok=True)
-            for name, blob in self.save_state(SaveStateRequest(policy, include_optimizer=False)).files.items():
-                if name.startswith("adapter/"):
-                    with open(os.path.join(directory, name.split("/", 1)[1]), "wb") as f:
-                        f.write(blob)
-        return directory, str(version)
+        return self.adapters.snapshot(
+            policy, lambda name: self.save_state(SaveStateRequest(name, include_optimizer=False)).files
+        )
 
     # ---- bytes in, bytes out -------------------------------------------------
     def handle(self, method: str, payload: bytes) -> bytes:
@@ -212,8 +193,6 @@ class Worker:
         }
 
     def create_policy(self, request: CreatePolicyRequest) -> dict:
-        from peft import get_peft_model
-
         name = request.policy
         if name in self.policies:
             return {"policy": name, "created": False}
@@ -223,37 +202,13 @@ class Worker:
             raise ConfigError(f"invalid policy name {name!r}", hint="use 2+ letters, digits, '-' and '_' (not 'base')")
         if self.policy_guard is not None:
             self.policy_guard(name)
-        lora = request.lora
-        config = peft_config(lora)
-        # Seed LoRA's random init so the same seed gives the same adapter.
-        self._adapters_changed()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(lora.seed)
-                if not self.policies:
-                    model = get_peft_model(self.base_model, config, adapter_name=name)
-                else:
-                    self.model.add_adapter(name, config)
-                    model = self.model
-        except ValueError as exc:  # peft's refusals (no such target module, ...) are the caller's config
-            if self.policies:  # peft registers the config before injecting: forget it, or a retry finds it taken
-                getattr(self.model, "peft_config", {}).pop(name, None)
-            raise ConfigError(
-                f"cannot create LoRA adapter {name!r}: {str(exc)[:300]}",
-                hint="target_modules must name linear layers of this model (or be 'all-linear')",
-            ) from None
-        if model is not self.model:
-            self.model = model
-            if isinstance(self.engine, TransformersEngine):
-                self.engine.model = self.model
-        lora_inference.install(self.model)  # the new adapter may have wrapped layers no earlier one did
-        params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
-        for p in params:
-            p.requires_grad_(True)
-        optimizer = torch.optim.AdamW(params, lr=1e-4)
-        self.policies[name] = _Policy(lora=lora, params=params, optimizer=optimizer)
-        self.model.eval()  # no dropout anywhere: training and sampling see the same function
+        self.adapters.add(name, request.lora, on_wrap=self._engine_samples_from)
         return {"policy": name, "created": True}
+
+    def _engine_samples_from(self, model: Any) -> None:
+        # The transformers engine holds the model object: the PeftModel the first policy wraps replaces the base.
+        if isinstance(self.engine, TransformersEngine):
+            self.engine.model = model
 
     def reset_policy(self, request: ResetPolicyRequest) -> dict:
         """Re-initialize an existing policy exactly as `create_policy` made it from its LoRA seed:
@@ -261,17 +216,8 @@ class Worker:
         name = request.policy
         if request.missing_ok and name not in self.policies:
             return {"policy": name, "policy_version": 0}
-        policy = self._policy(name)
-        self._adapters_changed()
-        reinit_adapter(self.model, name, policy.lora)
-        policy.optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
-        policy.version = 0
-        self._forget_snapshots(name)
+        self.adapters.reset(name)
         return {"policy": name, "policy_version": 0}
-
-    def _forget_snapshots(self, name: str) -> None:
-        # The vLLM engine's adapter directories are keyed by version; a reset or load reuses versions.
-        shutil.rmtree(os.path.join(self._adapter_root, name), ignore_errors=True)
 
     def delete_policy(self, request: DeletePolicyRequest) -> dict:
         """A client freeing one of its policies (its checkpoints stay). Refused while a generation of it runs."""
@@ -283,80 +229,37 @@ class Worker:
 
     def drop_policy(self, name: str) -> bool:
         """Free a policy's adapter and optimizer (a server evicting sampler snapshots). False if absent."""
-        if name not in self.policies:
-            return False
-        if len(self.policies) == 1:
-            # peft cannot drop a model's last adapter; keep the slot, it is reused or freed with the worker.
-            return False
-        self._adapters_changed()
-        self.model.delete_adapter(name)
-        lora_inference.forget(self.model, name)  # its layers' views would keep the freed weights alive
-        del self.policies[name]
-        return True
+        return self.adapters.drop(name)
 
-    def _policy(self, name: str) -> _Policy:
-        if name not in self.policies:
-            raise UserError(
-                f"policy {name!r} does not exist on this worker",
-                hint="call create_policy first (the client does this when a run starts)",
-            )
-        return self.policies[name]
+    # The adapters' own methods under the names the server, the engines and tests use.
+    def _policy(self, name: str) -> Policy:
+        return self.adapters.get(name)
 
-    def _adapter_name(self, policy: str | None) -> str:
-        """The peft adapter of `policy` in a batch that mixes policies ("__base__": the base model)."""
-        if policy in (None, BASE_POLICY):
-            return "__base__"
-        self._policy(policy)
-        return policy
-
-    @contextlib.contextmanager
     def _activate(self, policy: str | None):
-        """Run the block with `policy`'s adapter (the base model: every adapter disabled). The switch outlasts
-        the block, so the next block of the same policy (a generation's next decode step) switches nothing."""
-        self._switch_adapter(policy)
-        yield
+        """A context manager: the block runs with `policy`'s adapter (see `PolicyAdapters.activate`)."""
+        return self.adapters.activate(policy)
 
-    def _switch_adapter(self, policy: str | None) -> None:
-        wanted = BASE_POLICY if policy in (None, BASE_POLICY) else policy
-        if wanted != BASE_POLICY:
-            self._policy(wanted)
-        if wanted == self._adapter_state or not self.policies:  # no policy yet: the model is the bare base model
-            return
-        previous, self._adapter_state = self._adapter_state, None  # unknown until the switch is complete
-        if wanted == BASE_POLICY:
-            self.model.base_model.disable_adapter_layers()
-        else:
-            if previous in (None, BASE_POLICY):
-                self.model.base_model.enable_adapter_layers()
-            self.model.set_adapter(wanted)
-            # set_adapter marks only the active adapter trainable; keep every policy's own flags.
-            for p in self.policies[wanted].params:
-                p.requires_grad_(True)
-        self._adapter_state = wanted
-
-    def _adapters_changed(self) -> None:
-        """peft added, deleted or re-activated adapters: the model's adapter state is no longer the tracked one."""
-        self._adapter_state = None
+    def _forget_snapshots(self, name: str) -> None:
+        self.adapters.forget_snapshots(name)
 
     # ---- rollout ---------------------------------------------------------------
     def _load_code(self, blob: CodeBlob | None) -> Any:
-        if blob is None:
-            return None
-        if self.user_code_hosts is not None:  # never unpickled in this process: proxies to the tenant's sandbox
-            return self.user_code_hosts.load(blob)
-        key = hashlib.sha256(blob.payload).hexdigest()
-        if key not in self._code_cache:
-            self._code_cache[key] = unpack_code(blob)
-        return self._code_cache[key]
+        return rollout_requests.load_code(blob, self.user_code_hosts, self._code_cache)
 
     def rollout(self, request: RolloutRequest) -> RolloutResult:
         with self._hosted_code():
-            return self._rollout(request)
+            return rollout_requests.rollout(
+                request, engine=self.engine, chat=self.chat, tokenizer=self.tokenizer, hosts=self.user_code_hosts,
+                code_cache=self._code_cache, check_policy=self._policy,
+            )
 
     def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
         """Play multi-agent games; one episode per game and model-played role."""
         with self._hosted_code():
-            return self._rollout_multi(request)
+            return rollout_requests.rollout_multi(
+                request, engine=self.engine, chat=self.chat, hosts=self.user_code_hosts, code_cache=self._code_cache,
+                check_policy=self._policy,
+            )
 
     @contextlib.contextmanager
     def _hosted_code(self):
@@ -365,77 +268,6 @@ class Worker:
         finally:  # the envs of this rollout are done: the tenant's host may forget them
             if self.user_code_hosts is not None:
                 self.user_code_hosts.release()
-
-    def _rollout(self, request: RolloutRequest) -> RolloutResult:
-        started = time.perf_counter()
-        if request.policy != BASE_POLICY:
-            self._policy(request.policy)
-        if request.agent is not None:
-            return self._agent_rollout(request, started)
-        with rollout_clock() as clock:
-            episodes = run_episodes(
-                TimedEngine(self.engine),
-                self.chat,
-                policy=request.policy,
-                tasks=request.tasks,
-                group_size=request.group_size,
-                sampling=request.sampling,
-                limits=request.limits,
-                seed=request.seed,
-                env_cls=self._load_code(request.env),
-                reward_fn=self._load_code(request.reward),
-                system_prompt=request.system_prompt,
-                counts=(counts := TokenCounts()),
-            )
-        sampled = float(sum(e.sampled_tokens() for e in episodes))
-        stats = {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats()}
-        return RolloutResult(episodes, stats)
-
-    def _agent_rollout(self, request: RolloutRequest, started: float) -> RolloutResult:
-        """Copies of an @tinkerless.agent function against this worker's OpenAI endpoint (agent_functions.py)."""
-        from tinkerless.functions.hosting.agent_functions import run_agent_episodes
-
-        if request.env is not None or request.reward is not None:
-            raise UserError("a rollout takes an agent or an env/reward, not both", hint="send only `agent`")
-        agent = self._load_code(request.agent)
-        options = dict(policy=request.policy, tasks=request.tasks, group_size=request.group_size, sampling=request.sampling,
-                       limits=request.limits, seed=request.seed, timeout=request.agent_timeout)
-        stats: dict = {}
-        with rollout_clock() as clock:
-            if self.user_code_hosts is not None:  # a shared server: the copies run in the tenant's sandbox
-                from tinkerless.functions.hosting.hosted_agents import run_hosted_agent_episodes
-
-                episodes, stats = run_hosted_agent_episodes(self.engine, self.tokenizer, agent=agent, **options)
-            else:
-                episodes = run_agent_episodes(self.engine, self.tokenizer, agent=agent, transport=request.agent_transport,
-                                              **options)
-        sampled = float(sum(e.sampled_tokens() for e in episodes))
-        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **stats,
-                                        **clock.as_stats()})
-
-    def _rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
-        started = time.perf_counter()
-        for seat in request.seats.values():
-            if seat.opponent is None and seat.policy not in (None, BASE_POLICY):
-                self._policy(seat.policy)
-        opponents = {role: self._load_code(seat.opponent) for role, seat in request.seats.items() if seat.opponent}
-        with rollout_clock() as clock:
-            episodes = run_games(
-                TimedEngine(self.engine),
-                self.chat,
-                env_cls=self._load_code(request.env),
-                tasks=request.tasks,
-                group_size=request.group_size,
-                seats=request.seats,
-                opponents=opponents,
-                sampling=request.sampling,
-                limits=request.limits,
-                seed=request.seed,
-                timeout=request.protocol_timeout,
-                counts=(counts := TokenCounts()),
-            )
-        sampled = float(sum(e.sampled_tokens() for e in episodes))
-        return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats()})
 
     def sample(self, request: SampleRequest) -> SampleResult:
         token_prompts = [

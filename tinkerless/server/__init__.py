@@ -1,14 +1,16 @@
 """`tinkerless serve`: one model, many tenants, two APIs over HTTP.
 
-- `create_app` / `serve` / `serve_in_thread`: the FastAPI app, run by uvicorn. It speaks the
+- `create_app` (`app`) / `serve` / `serve_in_thread` (`serving`): the FastAPI app, run by uvicorn. It speaks the
   worker's msgpack API (`POST /v1/call/{method}`) and the Tinker API (`/api/v1/...`,
   `tinker_api`) for the official `tinker` SDK, and hosts the runs clients drive through it
   (`runs.RunService`: coordinator and checkpoints, `POST /v1/runs/...`);
 - `scheduler.Scheduler`: one model, calls in each client's sequence order, tenants in turn, 429 when full;
+- `stats.ServerStats`: the `/metrics` counters (Prometheus text);
 - `keys.KeyStore`: API keys, stored hashed; `tenancy`: per-tenant scoping of policy names.
 FastAPI and uvicorn load only when this package is imported (extra `serve`).
 """
 
-from tinkerless.server.app import DEFAULT_MAX_REQUEST_BYTES, create_app, serve, serve_in_thread
+from tinkerless.server.app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from tinkerless.server.serving import serve, serve_in_thread
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "create_app", "serve", "serve_in_thread"]

@@ -18,19 +18,18 @@ one at a time on the `Scheduler`'s thread: in each client's sequence order
 generations paused between slices so that other tenants' calls run (see `scheduler`).
 `info` reads no model and answers at once, without queueing. Requests that generate are
 checked against the server's `ServingLimits` first (docs/serving-limits.md).
+
+This module builds the app (`create_app`); `stats` holds the `/metrics` counters and `serving`
+runs the app (`serve`, `serve_in_thread`, still importable from here).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from dataclasses import dataclass, field
-import socket
 import tempfile
-import threading
 import time
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -42,6 +41,7 @@ from tinkerless.server.keys import KeyStore
 from tinkerless.server.limits import LimitExceeded, ServingLimits
 from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
+from tinkerless.server.stats import ServerStats
 from tinkerless.functions.hosting.user_code import tenant_scope
 from tinkerless.server.tenancy import policy_quota, scope, tenant_prefix, unscope
 from tinkerless.wire import decode_message, encode_message
@@ -279,62 +279,6 @@ def create_app(
     return app
 
 
-@dataclass
-class ServerStats:
-    """Counters for `/metrics` (Prometheus text format): queue depth, work in flight, requests, CPU."""
-
-    scheduler: Scheduler
-    requests: dict[tuple[str, int], int] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)
-
-    def count(self, method: str, status: int) -> None:
-        self.requests[(method, status)] = self.requests.get((method, status), 0) + 1
-
-    def prometheus(self) -> str:
-        lines = [
-            "# HELP tinkerless_queue_depth Calls waiting for the model.",
-            "# TYPE tinkerless_queue_depth gauge",
-            f"tinkerless_queue_depth {self.scheduler.pending}",
-            "# HELP tinkerless_in_flight Calls started and not finished (one runs; others paused between slices).",
-            "# TYPE tinkerless_in_flight gauge",
-            f"tinkerless_in_flight {self.scheduler.in_flight}",
-            "# HELP tinkerless_slices_total Times a generation paused so that another tenant's call could run.",
-            "# TYPE tinkerless_slices_total counter",
-            f"tinkerless_slices_total {self.scheduler.slices}",
-            "# HELP tinkerless_requests_total Calls answered, by function and HTTP status.",
-            "# TYPE tinkerless_requests_total counter",
-        ]
-        lines += [
-            f'tinkerless_requests_total{{method="{m}",status="{s}"}} {n}' for (m, s), n in sorted(self.requests.items())
-        ]
-        # CPU utilization = rate of this counter over wall time (as process_cpu_seconds_total usually is).
-        lines += [
-            "# HELP process_cpu_seconds_total CPU time used by the server process.",
-            "# TYPE process_cpu_seconds_total counter",
-            f"process_cpu_seconds_total {time.process_time():.3f}",
-            "# HELP tinkerless_uptime_seconds Seconds since the server started.",
-            "# TYPE tinkerless_uptime_seconds gauge",
-            f"tinkerless_uptime_seconds {time.monotonic() - self.started:.3f}",
-        ]
-        lines += _gpu_lines()
-        return "\n".join(lines) + "\n"
-
-
-def _gpu_lines() -> list[str]:
-    import sys
-
-    torch = sys.modules.get("torch")  # only report what is already loaded; never import CUDA for a scrape
-    if torch is None or not torch.cuda.is_available():
-        return []
-    lines = ["# HELP tinkerless_gpu_memory_bytes GPU memory allocated by torch.", "# TYPE tinkerless_gpu_memory_bytes gauge"]
-    for index in range(torch.cuda.device_count()):
-        lines.append(f'tinkerless_gpu_memory_bytes{{device="{index}"}} {torch.cuda.memory_allocated(index)}')
-    try:
-        lines += [f'tinkerless_gpu_utilization_percent{{device="{i}"}} {torch.cuda.utilization(i)}' for i in range(torch.cuda.device_count())]
-    except Exception:  # needs pynvml; memory is still reported
-        pass
-    return lines
-
 
 def _check_limits(limits: ServingLimits, worker, method: str, request: Any) -> None:
     """Refuse a generating call over the server's limits (string prompts counted as the worker templates them).
@@ -366,89 +310,3 @@ def _status_for(reply: bytes) -> int:
     if isinstance(body, ErrorReply):
         return 400 if body.category == "user" else 500
     return 200
-
-
-def serve(
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    *,
-    model: str,
-    storage: str | None = None,
-    auth: bool = True,
-    extra_keys: dict[str, str] | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    max_pending: int = 1024,
-    max_pending_per_tenant: int | None = DEFAULT_MAX_PENDING_PER_TENANT,
-    limits: ServingLimits | None = None,
-    slice_seconds: float = 0.05,
-    log_level: str = "info",
-    single_user: bool = False,
-    **worker_options: Any,
-) -> None:
-    """Load `model` into a Worker and serve it until interrupted (binds to localhost unless told otherwise).
-
-    With `auth` (the default), calls need an API key issued into `storage` by `tinkerless keys create`.
-    Clients' env/reward/agent code runs in a sandboxed process per tenant (`user_code.py`), never in
-    this one, unless `single_user` (one's own server, e.g. `sky launch` of one's own cluster).
-    """
-    import uvicorn
-
-    from tinkerless.functions.worker import Worker
-    from tinkerless.storage import ObjectStore
-
-    keys = KeyStore(ObjectStore(storage or "."), extra_keys=extra_keys) if auth else None
-    if not single_user:
-        from tinkerless.functions.hosting.user_code import UserCodeHosts
-
-        local_storage = storage or "."
-        hidden = (local_storage,) if "://" not in local_storage else ()  # tenants' code must not see it
-        hosts = UserCodeHosts(hide=hidden)
-        hosts.check()  # no sandbox here: refuse to serve tenants now, naming the fix, rather than fail their rollouts
-        worker_options.setdefault("user_code_hosts", hosts)
-    app = create_app(
-        Worker(model, **worker_options),
-        max_request_bytes=max_request_bytes,
-        max_pending=max_pending,
-        max_pending_per_tenant=max_pending_per_tenant,
-        limits=limits,
-        slice_seconds=slice_seconds,
-        keys=keys,
-        storage=storage or ".",
-    )
-
-    class Server(uvicorn.Server):
-        """uvicorn's graceful shutdown waits for every open request, and an abandoned generation would hold it
-        for its whole job: SIGINT/SIGTERM first cancel the generations queued and running for the OpenAI routes."""
-
-        def handle_exit(self, sig, frame) -> None:
-            cancelled = app.state.cancel_jobs()
-            if cancelled:
-                logger.info("shutting down: cancelled %d generation job(s)", cancelled)
-            super().handle_exit(sig, frame)
-
-    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
-
-
-@contextlib.contextmanager
-def serve_in_thread(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> Iterator[str]:
-    """Serve `app` from a background thread (tests, benchmarks, notebooks); yields its base URL and stops it on exit."""
-    import uvicorn
-
-    if port == 0:  # a free port, picked by the OS
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            server.should_exit = True
-            raise RuntimeError(f"the server did not start on {host}:{port}")
-        time.sleep(0.02)
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)

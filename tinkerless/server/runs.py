@@ -42,7 +42,8 @@ from tinkerless.server.tenancy import tenant_prefix
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, STREAM_HEADER
-from tinkerless.wire.validate import run_call_args, validate
+from tinkerless.wire.run_calls import run_call_args
+from tinkerless.wire.validate import validate
 from tinkerless.wire.messages import LoadStateRequest, PolicyState, ResetPolicyRequest, SaveStateRequest
 from tinkerless.wire.runs import (
     CheckpointPolicy,

@@ -7,13 +7,13 @@ The coordinator and checkpoints live where the `RunHost` says: in `storage`, or 
 the `tinkerless serve` server the backend talks to.
 The backend's compute seconds are attributed to the phase they ran in and priced
 (`accounting.RunUsage`): per step in the metrics, per run in the coordinator summary.
+What the loop sends and keeps lives beside it: the rollout requests (`rollouts`), a policy's
+update data (`batches`), what a checkpoint holds and how a resume reads it (`checkpointing`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import logging
 import random
 import time
@@ -21,12 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from tinkerless.coordinator import Coordinator
-from tinkerless.errors import EnvError, UserError
+from tinkerless.errors import UserError
 from tinkerless.sdk.run.accounting import RunUsage, format_usage, latest_usage
-from tinkerless.sdk.run.advantages import group_advantages
+from tinkerless.sdk.run.batches import update_batch
 from tinkerless.sdk.backends.base import Backend, device_of, make_backend, with_usage
 from tinkerless.sdk.backends.client import TrainingClient, free_policies
 from tinkerless.sdk.evaluation.evaluate import eval_columns, held_out_tasks
@@ -35,6 +33,7 @@ from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.run.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
 from tinkerless.envs.base import is_multi_agent
 from tinkerless.sdk.run.agents import frozen_adapters, trainable_policies
+from tinkerless.sdk.run.checkpointing import CLIENT_STATE_FILE, Checkpoints, _policy_prefix
 from tinkerless.sdk.run.metrics import (
     MetricsWriter,
     describe_rewards,
@@ -45,29 +44,17 @@ from tinkerless.sdk.run.metrics import (
 )
 from tinkerless.sdk.run.multi_agent import build_seats, play_step
 from tinkerless.sdk.run.progress import Progress
+from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors
+from tinkerless.sdk.run.rollouts import step_seed as _step_seed
 from tinkerless.sdk.run.step_metrics import agent_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
 from tinkerless.sdk.run import truncation
 from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE, episode_record
 from tinkerless.sdk.run.transcripts import sample as sample_episodes
-from tinkerless.wire import pack_code
-from tinkerless.wire.runs import CheckpointPolicy
-from tinkerless.wire.messages import (
-    AdamParams,
-    Datum,
-    Episode,
-    EpisodeLimits,
-    LoraConfig,
-    MultiAgentRolloutRequest,
-    PolicyState,
-    RolloutRequest,
-    SamplingParams,
-)
+from tinkerless.wire.messages import AdamParams, Episode, LoraConfig, PolicyState
 
 logger = logging.getLogger(__name__)
-
-CLIENT_STATE_FILE = "client.json"
 
 
 @dataclass
@@ -94,20 +81,12 @@ def train(config: TrainConfig | None = None, *, backend: Backend | str | None = 
         return _Run(config, backend if not isinstance(backend, (str, type(None))) else None).run()
 
 
-def _step_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
-
-
 class _Run:
     def __init__(self, config: TrainConfig, backend: Backend | None):
         self.config = config
         self.heartbeat_s = heartbeat_interval()  # a bad $TINKERLESS_HEARTBEAT_S fails before anything starts
         # Package user code first: an unpicklable env fails here, before any model loads.
-        self.env_code = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
-        self.reward_code = (
-            pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
-        )
-        self.agent_code = pack_code(config.agent, name=getattr(config.agent, "__qualname__", None)) if config.agent else None
+        self.requests = RolloutRequests(config)
         self.tasks = TaskSource(config.tasks, seed=config.seed)
         if config.env is not None:
             check_reset_fields(config.env, self.tasks, count=config.batch_size)
@@ -134,7 +113,9 @@ class _Run:
             raise
         self.run_id = self.coordinator.run_id
         self.heartbeat = Heartbeat(self.coordinator, self.heartbeat_s).start()
-        self.checkpoints = self.host.checkpoints(self.run_id, config.keep_checkpoints, self.coordinator)
+        self.checkpoints = Checkpoints(
+            self.host.checkpoints(self.run_id, config.keep_checkpoints, self.coordinator), self.coordinator
+        )
         self.run_dir = self.host.run_dir(self.run_id)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
@@ -143,7 +124,6 @@ class _Run:
         self.step = 0
         self._versions: dict[str, int] = {}
         self._truncation_warned = False
-        self._checkpoint_in_flight: int | None = None  # the step whose checkpoint is being written
         try:
             # A resumed run goes on billing from what its earlier attempts used.
             prior = latest_usage(self.coordinator.state.summary) if start else None
@@ -187,16 +167,10 @@ class _Run:
         run_id = config.run_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16**4):04x}"
         return self.host.create(run_id, config.summary()), False
 
-    # ---- checkpoints -----------------------------------------------------------
-    def _checkpoint_policies(self, versions: dict[str, int] | None = None) -> list[CheckpointPolicy]:
-        return [
-            CheckpointPolicy(name, _policy_prefix(name), client.remote(name), (versions or {}).get(name, 0))
-            for name, client in self.clients.items()
-        ]
-
+    # ---- checkpoints (what one holds and how it is written and read: `checkpointing`) ----
     def _restore(self) -> None:
-        restored = self.checkpoints.restore(self._checkpoint_policies(), [CLIENT_STATE_FILE])
-        if restored.step is None:
+        restored = self.checkpoints.restore(self.clients)
+        if restored is None:
             self._say(f"run {self.run_id}: no valid checkpoint, starting from step 0")
             self.coordinator.reset_to_checkpoint(0, self.config.summary())
             self.metrics.truncate_after(-1)
@@ -204,11 +178,8 @@ class _Run:
             if self.config.init_from:  # the reset dropped the warm start: load it again
                 self._warm_start()
             return
-        client_state = json.loads(restored.files[CLIENT_STATE_FILE])
-        self._versions.update(client_state["policy_versions"])
-        self.step, self.cursor = client_state["step"], client_state["cursor"]
-        random.setstate(_tuplify(client_state["python_random"]))
-        np.random.set_state(tuple(client_state["numpy_random"][:1]) + (np.array(client_state["numpy_random"][1], dtype=np.uint32),) + tuple(client_state["numpy_random"][2:]))
+        self._versions.update(restored.policy_versions)
+        self.step, self.cursor = restored.step, restored.cursor
         self.coordinator.reset_to_checkpoint(self.step, self.config.summary())
         self.metrics.truncate_after(self.step - 1)
         self.transcripts.truncate_after(self.step - 1)
@@ -221,34 +192,6 @@ class _Run:
         loaded = apply_init_from(config.init_from, self.clients["default"], self.host, config.model, config.lora_rank)
         self._say(f"run {self.run_id}: warm start from {loaded.source}")
 
-    def _save_checkpoint(self, policy_versions: dict[str, int]) -> None:
-        numpy_state = np.random.get_state()
-        client_state = {
-            "step": self.step,
-            "cursor": self.cursor,
-            "policy_versions": policy_versions,
-            "python_random": random.getstate(),
-            "numpy_random": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
-        }
-        files = {CLIENT_STATE_FILE: json.dumps(client_state).encode()}
-        self._finish_checkpoint()  # one write in flight: the previous one commits first
-        # The policies are snapshotted now; the write and its commit overlap the next step.
-        self.checkpoints.save(
-            self.step, self._checkpoint_policies(policy_versions), files, {"run_id": self.run_id}, background=True
-        )
-        self._checkpoint_in_flight = self.step
-
-    def _finish_checkpoint(self, *, wait: bool = True) -> float:
-        """Record the checkpoint in flight once it is committed (waiting for it unless `wait` is False);
-        returns the seconds waited. A failed write raises here, in the loop."""
-        if self._checkpoint_in_flight is None or (not wait and getattr(self.checkpoints, "busy", False)):
-            return 0.0
-        started = time.perf_counter()
-        self.checkpoints.flush()
-        step, self._checkpoint_in_flight = self._checkpoint_in_flight, None
-        self.coordinator.record_checkpoint(step)
-        return time.perf_counter() - started
-
     # ---- the loop ----------------------------------------------------------------
     def run(self) -> RunResult:
         config = self.config
@@ -260,7 +203,7 @@ class _Run:
                 record, policy_versions = self._train_step()
                 record.update(held_out)
                 with uninterrupted():
-                    checkpoint_s += self._finish_checkpoint(wait=False)  # committed by now, as a rule
+                    checkpoint_s += self.checkpoints.finish(wait=False)  # committed by now, as a rule
                 record["storage_s"] += checkpoint_s
                 record.update(self.usage.step_columns())
                 # The step's line goes out before its checkpoint: a crash in between leaves a line that
@@ -270,7 +213,7 @@ class _Run:
                 started = time.perf_counter()
                 if self.step % config.checkpoint_every == 0 or self.step == config.steps:
                     with uninterrupted(), self.usage.phase("storage"):  # save_state runs on the functions
-                        self._save_checkpoint(policy_versions)
+                        self.checkpoints.save(self.step, self.cursor, self.clients, policy_versions, self.run_id)
                 checkpoint_s = time.perf_counter() - started
                 progress.update(record)
                 if "warning" in record:
@@ -278,7 +221,7 @@ class _Run:
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
             with uninterrupted(), self.usage.phase("storage"):
-                self._finish_checkpoint()  # the last checkpoint is committed before the run is finished
+                self.checkpoints.finish()  # the last checkpoint is committed before the run is finished
             progress.close()
             records = read_metrics(self.run_dir / "metrics.jsonl")
             plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
@@ -307,7 +250,7 @@ class _Run:
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         try:
             with uninterrupted():  # a checkpoint being written still commits: a resume starts from it
-                self._finish_checkpoint()
+                self.checkpoints.finish()
         except Exception as error:  # the previous checkpoint stays in force
             self._say(f"run {self.run_id}: the checkpoint being written did not commit: {error}")
         try:
@@ -348,7 +291,7 @@ class _Run:
             # global barrier: every policy's rollouts are in
             self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)
         timings["rollout_s"] = time.perf_counter() - started
-        self._check_errors(episodes)
+        check_errors(episodes, config, step)
 
         self.coordinator.begin_update(step)
         metrics: dict[str, dict] = {}
@@ -369,29 +312,14 @@ class _Run:
         if self.multi_agent:
             record.update(agent_metrics(episodes, self.policies))
         record.update(agent_result_metrics(episodes))
-        limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
+        limits = self.requests.limits()
         for episode in sample_episodes(episodes, config.transcripts_per_step):
             task = tasks[episode.task_index] if 0 <= episode.task_index < len(tasks) else None
             self.transcripts.log(episode_record(episode, limits, step=step, task=task))
         return record, versions
 
     def _rollouts(self, tasks: list[dict]) -> list[Episode]:
-        config = self.config
-        request = RolloutRequest(
-            policy="default",
-            tasks=tasks,
-            group_size=config.group_size,
-            sampling=self._sampling(),
-            limits=EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens),
-            seed=_step_seed(config.seed, self.step),
-            env=self.env_code,
-            reward=self.reward_code,
-            system_prompt=config.system_prompt,
-            agent=self.agent_code,
-            agent_timeout=config.agent_timeout,
-            agent_transport=config.agent_transport,
-        )
-        result = self.clients["default"].rollout(request)
+        result = self.clients["default"].rollout(self.requests.single_agent(tasks, self.step))
         self._rollout_stats = result.stats  # where the rollout's seconds and tokens went, for the metrics
         episodes = result.episodes
         self.coordinator.submit_rollout(self.step, "default")
@@ -399,19 +327,8 @@ class _Run:
         return episodes
 
     def _multi_agent_rollouts(self, tasks: list[dict]) -> list[Episode]:
-        config = self.config
-
         def make_request(seats, index):
-            return MultiAgentRolloutRequest(
-                tasks=tasks,
-                group_size=config.group_size,
-                env=self.env_code,
-                seats=seats,
-                sampling=self._sampling(),
-                limits=EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens),
-                seed=_step_seed(config.seed, self.step) + index,
-                protocol_timeout=config.protocol_timeout,
-            )
+            return self.requests.multi_agent(tasks, self.step, seats, index)
 
         any_client = next(iter(self.clients.values()))
         episodes, self._rollout_stats = play_step(
@@ -419,38 +336,9 @@ class _Run:
         )
         return episodes
 
-    def _sampling(self) -> SamplingParams:
-        config = self.config
-        return SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p)
-
-    def _check_errors(self, episodes: list[Episode]) -> None:
-        errors = [e for e in episodes if e.status == "error"]
-        if errors and (self.config.on_env_error == "raise" or len(errors) == len(episodes)):
-            first = errors[0]
-            raise EnvError(
-                f"{len(errors)} of {len(episodes)} episodes failed at step {self.step}; first: {first.error}\n{first.traceback or ''}",
-                hint="fix the env/reward; with on_env_error='skip' failing episodes are dropped and the run goes on"
-                if self.config.on_env_error == "raise"
-                else "every episode failed, so there is nothing to train on; fix the env/reward",
-            )
-
     def _update(self, client: TrainingClient, episodes: list[Episode], timings: dict) -> tuple[dict, int]:
         config = self.config
-        data = self._datums(episodes)
-        loss = config.loss_config()
-        if config.tis_cap is not None:
-            # One update per rollout: the policy is still the one that sampled, so the update's own
-            # log-probs are TIS's old log-probs and no separate forward is needed for them.
-            loss = dataclasses.replace(loss, old_logprobs_current=True)
-        if data and config.kl_coef > 0:  # the reference (base model) log-probs still need their own pass
-            t = time.perf_counter()
-            with self.usage.phase("forward"):
-                forward = client.forward(data, with_reference=config.kl_coef > 0)
-            for i, datum in enumerate(data):
-                datum.old_logprobs = forward.logprobs[i]
-                if forward.ref_logprobs is not None:
-                    datum.ref_logprobs = forward.ref_logprobs[i]
-            timings["forward_s"] += time.perf_counter() - t
+        data, loss = update_batch(client, episodes, config, self.usage, timings)
         if not data:  # every group had equal rewards: no signal, no step
             return {"trained_sequences": 0}, self._versions.get(client.policy, 0)
         t = time.perf_counter()
@@ -474,28 +362,6 @@ class _Run:
         for path, name in (frozen_adapters(self.config.agents).items() if self.multi_agent else []):
             frozen = TrainingClient(self.backend, name, create=False, namespace=self.namespace)
             frozen.load_state(PolicyState(name, adapter_files(path)), include_optimizer=False)
-
-    def _datums(self, episodes: list[Episode]) -> list[Datum]:
-        if not episodes:
-            return []
-        # Groups: the same task played from the same seat (role and seating) by this policy.
-        groups = [(e.task_index, e.info.get("role"), e.info.get("seating")) for e in episodes]
-        advantages = group_advantages([e.reward for e in episodes], groups, self.config.advantage_config())
-        data = []
-        for episode, advantage in zip(episodes, advantages):
-            # An agent that rewrote its context has several sequences: each is trained with the episode's advantage.
-            for sequence in episode.sequences():
-                if advantage == 0.0 or sequence.mask.sum() == 0:
-                    continue  # contributes no gradient
-                data.append(
-                    Datum(
-                        tokens=sequence.tokens,
-                        mask=sequence.mask,
-                        advantages=(sequence.mask * advantage).astype(np.float32),
-                        sampler_logprobs=sequence.sampler_logprobs,
-                    )
-                )
-        return data
 
     def _say(self, message: str) -> None:
         print(message, flush=True)
@@ -521,13 +387,6 @@ def agent_result_metrics(episodes: list[Episode]) -> dict[str, float]:
     return {f"agent/{name}": mean(column) for name, column in values.items()}
 
 
-def _policy_prefix(name: str) -> str:
-    """Checkpoint file prefix: the single-agent policy keeps PEFT's layout at the top (step-n/adapter/)."""
-    return "" if name == "default" else f"policies/{name}/"
-
-
-def _tuplify(value: Any) -> Any:
-    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
-
-
 __all__ = ["RunResult", "train"]
+# Still importable from here after their move: evaluation and sft read CLIENT_STATE_FILE, tests and bench _step_seed.
+__all__ += ["CLIENT_STATE_FILE", "_policy_prefix", "_step_seed"]

@@ -1,0 +1,130 @@
+"""A rollout request served: the episode loop it asks for, the code its client shipped, and the call's stats.
+
+A `RolloutRequest` runs either the built-in episode loop with the client's env class and reward function
+(`rollout.agent_loop`) or copies of an @tinkerless.agent function against the worker's OpenAI endpoint
+(`hosting.agent_functions`; on a shared server in the tenant's sandbox, `hosting.hosted_agents`). A
+`MultiAgentRolloutRequest` plays games seat by seat (`rollout.multi_agent_loop`). These functions keep no state:
+the worker hands them its engine, chat format and user-code hosts on each call, and keeps what outlives a call
+(the unpickled-code cache, releasing the tenant's code host once the rollout is done).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Callable
+
+from tinkerless.errors import UserError
+from tinkerless.functions.rollout.agent_loop import TokenCounts, run_episodes
+from tinkerless.functions.rollout.chat import ChatFormat
+from tinkerless.functions.rollout.multi_agent_loop import run_games
+from tinkerless.functions.rollout.rollout_clock import TimedEngine, rollout_clock
+from tinkerless.wire import unpack_code
+from tinkerless.wire.code import CodeBlob
+from tinkerless.wire.messages import BASE_POLICY, MultiAgentRolloutRequest, RolloutRequest, RolloutResult
+
+
+def load_code(blob: CodeBlob | None, hosts: Any, cache: dict[str, Any]) -> Any:
+    """The env class, reward function, agent or opponent a client shipped; unpickled once per payload."""
+    if blob is None:
+        return None
+    if hosts is not None:  # never unpickled in this process: proxies to the tenant's sandbox
+        return hosts.load(blob)
+    key = hashlib.sha256(blob.payload).hexdigest()
+    if key not in cache:
+        cache[key] = unpack_code(blob)
+    return cache[key]
+
+
+def rollout(
+    request: RolloutRequest,
+    *,
+    engine: Any,
+    chat: ChatFormat,
+    tokenizer: Any,
+    hosts: Any,
+    code_cache: dict[str, Any],
+    check_policy: Callable[[str], Any],
+) -> RolloutResult:
+    started = time.perf_counter()
+    if request.policy != BASE_POLICY:
+        check_policy(request.policy)
+    if request.agent is not None:
+        return _agent_rollout(request, started, engine=engine, tokenizer=tokenizer, hosts=hosts, code_cache=code_cache)
+    with rollout_clock() as clock:
+        episodes = run_episodes(
+            TimedEngine(engine),
+            chat,
+            policy=request.policy,
+            tasks=request.tasks,
+            group_size=request.group_size,
+            sampling=request.sampling,
+            limits=request.limits,
+            seed=request.seed,
+            env_cls=load_code(request.env, hosts, code_cache),
+            reward_fn=load_code(request.reward, hosts, code_cache),
+            system_prompt=request.system_prompt,
+            counts=(counts := TokenCounts()),
+        )
+    sampled = float(sum(e.sampled_tokens() for e in episodes))
+    stats = {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats()}
+    return RolloutResult(episodes, stats)
+
+
+def _agent_rollout(
+    request: RolloutRequest, started: float, *, engine: Any, tokenizer: Any, hosts: Any, code_cache: dict[str, Any]
+) -> RolloutResult:
+    """Copies of an @tinkerless.agent function against this worker's OpenAI endpoint (agent_functions.py)."""
+    from tinkerless.functions.hosting.agent_functions import run_agent_episodes
+
+    if request.env is not None or request.reward is not None:
+        raise UserError("a rollout takes an agent or an env/reward, not both", hint="send only `agent`")
+    agent = load_code(request.agent, hosts, code_cache)
+    options = dict(policy=request.policy, tasks=request.tasks, group_size=request.group_size, sampling=request.sampling,
+                   limits=request.limits, seed=request.seed, timeout=request.agent_timeout)
+    stats: dict = {}
+    with rollout_clock() as clock:
+        if hosts is not None:  # a shared server: the copies run in the tenant's sandbox
+            from tinkerless.functions.hosting.hosted_agents import run_hosted_agent_episodes
+
+            episodes, stats = run_hosted_agent_episodes(engine, tokenizer, agent=agent, **options)
+        else:
+            episodes = run_agent_episodes(engine, tokenizer, agent=agent, transport=request.agent_transport, **options)
+    sampled = float(sum(e.sampled_tokens() for e in episodes))
+    return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **stats,
+                                    **clock.as_stats()})
+
+
+def rollout_multi(
+    request: MultiAgentRolloutRequest,
+    *,
+    engine: Any,
+    chat: ChatFormat,
+    hosts: Any,
+    code_cache: dict[str, Any],
+    check_policy: Callable[[str], Any],
+) -> RolloutResult:
+    """Multi-agent games; one episode per game and model-played role."""
+    started = time.perf_counter()
+    for seat in request.seats.values():
+        if seat.opponent is None and seat.policy not in (None, BASE_POLICY):
+            check_policy(seat.policy)
+    opponents = {role: load_code(seat.opponent, hosts, code_cache) for role, seat in request.seats.items() if seat.opponent}
+    with rollout_clock() as clock:
+        episodes = run_games(
+            TimedEngine(engine),
+            chat,
+            env_cls=load_code(request.env, hosts, code_cache),
+            tasks=request.tasks,
+            group_size=request.group_size,
+            seats=request.seats,
+            opponents=opponents,
+            sampling=request.sampling,
+            limits=request.limits,
+            seed=request.seed,
+            timeout=request.protocol_timeout,
+            counts=(counts := TokenCounts()),
+        )
+    sampled = float(sum(e.sampled_tokens() for e in episodes))
+    return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started,
+                                    **counts.as_stats(), **clock.as_stats()})

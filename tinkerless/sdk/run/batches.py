@@ -1,0 +1,61 @@
+"""A policy's update data for one step: its episodes → group-relative advantages → `Datum`s, with the loss
+they are trained with and the log-probs that loss needs beyond the sampler's (a forward pass for KL)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from tinkerless.functions.losses import LossConfig
+from tinkerless.sdk.backends.client import TrainingClient
+from tinkerless.sdk.config import TrainConfig
+from tinkerless.sdk.run.accounting import RunUsage
+from tinkerless.sdk.run.advantages import AdvantageConfig, group_advantages
+from tinkerless.wire.messages import Datum, Episode
+
+
+def update_batch(
+    client: TrainingClient, episodes: list[Episode], config: TrainConfig, usage: RunUsage, timings: dict
+) -> tuple[list[Datum], LossConfig]:
+    """The `Datum`s `client`'s policy trains on for `episodes` and the loss to train them with (no data: no signal)."""
+    data = datums(episodes, config.advantage_config())
+    loss = config.loss_config()
+    if config.tis_cap is not None:
+        # One update per rollout: the policy is still the one that sampled, so the update's own
+        # log-probs are TIS's old log-probs and no separate forward is needed for them.
+        loss = dataclasses.replace(loss, old_logprobs_current=True)
+    if data and config.kl_coef > 0:  # the reference (base model) log-probs still need their own pass
+        t = time.perf_counter()
+        with usage.phase("forward"):
+            forward = client.forward(data, with_reference=config.kl_coef > 0)
+        for i, datum in enumerate(data):
+            datum.old_logprobs = forward.logprobs[i]
+            if forward.ref_logprobs is not None:
+                datum.ref_logprobs = forward.ref_logprobs[i]
+        timings["forward_s"] += time.perf_counter() - t
+    return data, loss
+
+
+def datums(episodes: list[Episode], advantage_config: AdvantageConfig) -> list[Datum]:
+    if not episodes:
+        return []
+    # Groups: the same task played from the same seat (role and seating) by this policy.
+    groups = [(e.task_index, e.info.get("role"), e.info.get("seating")) for e in episodes]
+    advantages = group_advantages([e.reward for e in episodes], groups, advantage_config)
+    data = []
+    for episode, advantage in zip(episodes, advantages):
+        # An agent that rewrote its context has several sequences: each is trained with the episode's advantage.
+        for sequence in episode.sequences():
+            if advantage == 0.0 or sequence.mask.sum() == 0:
+                continue  # contributes no gradient
+            data.append(
+                Datum(
+                    tokens=sequence.tokens,
+                    mask=sequence.mask,
+                    advantages=(sequence.mask * advantage).astype(np.float32),
+                    sampler_logprobs=sequence.sampler_logprobs,
+                )
+            )
+    return data
