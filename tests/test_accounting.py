@@ -14,7 +14,7 @@ from tinkerless.coordinator import Coordinator
 from tinkerless.errors import ConfigError
 from tinkerless.sdk.run.accounting import COMPUTE_SECONDS_HEADER, PHASES, PriceTable, RunUsage, UsageMeter, format_cost
 from tinkerless.sdk.backends.base import LocalBackend, call
-from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.cli.commands import main
 from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.sdk.run.metrics import read_metrics
 from tinkerless.server import create_app, serve_in_thread

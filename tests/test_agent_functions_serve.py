@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from tinkerless.functions.worker import Worker
-from tinkerless.sdk.cli.main import load_config, main
+from tinkerless.sdk.cli.commands import load_config, main
 from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.server.keys import KeyStore

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tinkerless.sdk.cli.main import load_config, main
+from tinkerless.sdk.cli.commands import load_config, main
 from tinkerless.sdk.run.metrics import read_metrics
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.coordinator import checkpoint_prefix

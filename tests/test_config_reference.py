@@ -10,7 +10,7 @@ import pytest
 
 import tinkerless
 from tinkerless.errors import ConfigError
-from tinkerless.sdk.cli.main import _parser, load_config, main
+from tinkerless.sdk.cli.commands import _parser, load_config, main
 from tinkerless.sdk.config_reference import FIELD_DOCS, field_reference, render_markdown
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "config.md"

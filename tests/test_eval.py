@@ -14,7 +14,7 @@ import tinkerless
 from tinkerless.errors import ConfigError, StorageNotFound, UserError
 from tinkerless.functions.models import build_tiny_model
 from tinkerless.sdk.backends.base import LocalBackend
-from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.cli.commands import main
 from tinkerless.sdk.evaluation.evaluate import evaluate
 from tinkerless.sdk.run.trainer import _step_seed
 from tinkerless.wire import decode_message

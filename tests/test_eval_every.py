@@ -134,7 +134,7 @@ def test_eval_every_through_a_server(tiny_model, worker, tmp_path):
 
 
 def test_train_cli_takes_eval_every(tiny_model, tmp_path, capsys):
-    from tinkerless.sdk.cli.main import main
+    from tinkerless.sdk.cli.commands import main
     from tinkerless.sdk.run.metrics import read_metrics
 
     file = tmp_path / "held_out.py"

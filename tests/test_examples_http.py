@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tinkerless.sdk.backends.base import LocalBackend
-from tinkerless.sdk.cli.main import load_config
+from tinkerless.sdk.cli.commands import load_config
 from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.sdk.run.trainer import train
 from tinkerless.server import create_app

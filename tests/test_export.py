@@ -18,7 +18,7 @@ import tinkerless
 from tinkerless.errors import ConfigError, StorageError, StorageNotFound, UserError
 from tinkerless.functions.models import build_tiny_model
 from tinkerless.sdk.backends.base import LocalBackend
-from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.cli.commands import main
 from tinkerless.sdk.evaluation.evaluate import load_checkpoint
 
 MESSAGES = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "It is 5, I think."}]

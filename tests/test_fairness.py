@@ -23,6 +23,7 @@ from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.storage import ObjectStore
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import (
+    Seat,
     ResetPolicyRequest,
     EpisodeLimits,
     ErrorReply,
@@ -223,7 +224,9 @@ OVER_LIMIT_CALLS = {
     "rollout: max_episode_tokens": ("rollout", _rollout(1, 2, episode_tokens=49), "max_tokens"),
     "rollout_multi: group_size": (
         "rollout_multi",
-        MultiAgentRolloutRequest([{}], 4, pack_code(SlowWorker), {}, SamplingParams(max_tokens=4), EpisodeLimits(), 0),
+        # (a valid request but for its size: every value is checked before the limits are)
+        MultiAgentRolloutRequest([{}], 4, pack_code(SlowWorker), {"a": Seat("base", trainable=False)},
+                                 SamplingParams(max_tokens=4), EpisodeLimits(), 0),
         "max_group_size",
     ),
 }
@@ -304,7 +307,7 @@ def test_a_small_call_finishes_while_another_tenants_maximal_request_runs(tmp_pa
 
 
 def test_serve_flags_reach_the_limits(monkeypatch):
-    from tinkerless.sdk.cli import main as cli
+    from tinkerless.sdk.cli import commands as cli
 
     captured = {}
     monkeypatch.setattr("tinkerless.server.serve", lambda *a, **k: captured.update(k))

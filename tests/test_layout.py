@@ -140,7 +140,7 @@ def test_a_server_storage_from_before_the_split_serves_its_keys_runs_and_tinker_
         assert chat.status_code == 200, chat.text  # the hosted run's checkpoint, served as an adapter
 
 
-@pytest.mark.parametrize("command", [["-m", "tinkerless.sdk.cli", "--help"], ["-m", "tinkerless.sdk.cli.main", "--help"]])
+@pytest.mark.parametrize("command", [["-m", "tinkerless.sdk.cli", "--help"], ["-m", "tinkerless.sdk.cli.commands", "--help"]])
 def test_the_cli_module_paths_still_run(command):
     out = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "train" in out.stdout

@@ -531,7 +531,7 @@ def test_missing_token_is_a_clear_config_error_and_fails_fast(tiny_model, tmp_pa
 
 # ---- examples ----------------------------------------------------------------------------------
 def test_examples_expose_a_modal_app_and_still_train_locally(tiny_model, tmp_path):
-    from tinkerless.sdk.cli.main import load_config
+    from tinkerless.sdk.cli.commands import load_config
 
     config = load_config(str(REPO / "examples/arithmetic.py"))  # modal is imported here, as under `modal run`
     app = sys.modules["arithmetic"].app
@@ -551,7 +551,7 @@ def test_examples_import_without_modal_for_tinkerless_train():
         import sys
         import tinkerless, tinkerless.cloud.modal_config, tinkerless.cloud.modal_backend, tinkerless.cloud.modal_entry
         assert "modal" not in sys.modules, "importing tinkerless must not import modal"
-        from tinkerless.sdk.cli.main import load_config
+        from tinkerless.sdk.cli.commands import load_config
         for path in sys.argv[1:]:
             config = load_config(path)
             module = sys.modules[path.rsplit("/", 1)[-1][:-3]]

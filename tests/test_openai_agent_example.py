@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from tinkerless.functions.hosting.agent_functions import run_agent_episodes
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.sampling.engine import Generation
-from tinkerless.sdk.cli.main import load_config
+from tinkerless.sdk.cli.commands import load_config
 from tinkerless.sdk.sft.data import ChatRenderer
 from tinkerless.wire.messages import BASE_POLICY, EpisodeLimits, SamplingParams
 

@@ -16,7 +16,7 @@ from conftest import write_resumable_example
 from safetensors.torch import load as load_safetensors
 
 STEPS = 10
-CLI = [sys.executable, "-m", "tinkerless.sdk.cli.main"]
+CLI = [sys.executable, "-m", "tinkerless.sdk.cli.commands"]
 
 
 @pytest.fixture()

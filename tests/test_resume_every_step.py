@@ -21,13 +21,13 @@ import pytest
 from conftest import write_resumable_example
 from safetensors.torch import load as load_safetensors
 
-from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.cli.commands import main
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread as running
 
 STEPS = 4
 CHECKPOINT_EVERY = 2  # kills at steps 0 and 1 land before the first checkpoint
-CLI = [sys.executable, "-m", "tinkerless.sdk.cli.main"]
+CLI = [sys.executable, "-m", "tinkerless.sdk.cli.commands"]
 
 
 def _args(example: Path, url: str, client: Path, run_id: str, *extra: str) -> list[str]:

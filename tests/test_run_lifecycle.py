@@ -23,7 +23,7 @@ from tinkerless.sdk.run.lifecycle import Heartbeat, RunInterrupted, heartbeat_in
 from tinkerless.storage import CheckpointStore, ObjectStore
 from tinkerless.storage.local import TMP_MARK
 
-CLI = [sys.executable, "-m", "tinkerless.sdk.cli.main"]
+CLI = [sys.executable, "-m", "tinkerless.sdk.cli.commands"]
 STEPS = 6
 BEAT = 1.0  # seconds between heartbeats in the subprocess runs: stale after stale_after(BEAT)
 
@@ -91,7 +91,7 @@ def test_sigterm_marks_the_run_interrupted_names_it_and_it_resumes(tmp_path, exa
 
 
 def test_sigkill_run_lists_as_interrupted_once_its_heartbeat_is_stale(tmp_path, example, capsys):
-    from tinkerless.sdk.cli.main import main
+    from tinkerless.sdk.cli.commands import main
 
     storage = tmp_path / "store"
     proc = _start(example, storage)
@@ -290,7 +290,7 @@ config = tinkerless.TrainConfig(
 
 
 def test_ctrl_c_in_process_names_the_real_run_id(tmp_path, tiny_model, capsys):
-    from tinkerless.sdk.cli.main import main
+    from tinkerless.sdk.cli.commands import main
 
     file = tmp_path / "ctrl_c.py"
     file.write_text(CTRL_C_FILE.format(counter=str(tmp_path / "calls"), model=tiny_model, storage=str(tmp_path / "s")))

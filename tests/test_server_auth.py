@@ -7,7 +7,7 @@ import pytest
 
 from tinkerless.errors import UserError
 from tinkerless.sdk.backends.base import call
-from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.cli.commands import main
 from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.server import create_app
 from tinkerless.server import serve_in_thread as running

@@ -38,7 +38,7 @@ def _free_port() -> int:
 def test_a_server_dying_mid_call_names_that_call_not_finish(tiny_model, tmp_path):
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "tinkerless.sdk.cli.main", "serve", "--model", tiny_model, "--port", str(port), "--no-auth",
+        [sys.executable, "-m", "tinkerless.sdk.cli.commands", "serve", "--model", tiny_model, "--port", str(port), "--no-auth",
          "--single-user", "--storage", str(tmp_path / "server")],  # the reward below touches a marker file here
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -132,7 +132,7 @@ def test_sigterm_cancels_a_running_generation_instead_of_waiting_for_it(tiny_mod
 
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "tinkerless.sdk.cli.main", "serve", "--model", tiny_model, "--port", str(port), "--no-auth",
+        [sys.executable, "-m", "tinkerless.sdk.cli.commands", "serve", "--model", tiny_model, "--port", str(port), "--no-auth",
          "--single-user", "--storage", str(tmp_path / "server"), "--max-tokens", "2000"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

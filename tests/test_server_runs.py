@@ -20,7 +20,7 @@ from safetensors.torch import load as load_safetensors
 import tinkerless
 from tinkerless.coordinator.policy_checkpoints import restore_policies, save_policies
 from tinkerless.errors import BarrierTimeout, CommitConflict, CorruptCheckpoint, PhaseError, StorageNotFound, UserError
-from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.cli.commands import main
 from tinkerless.sdk.evaluation.evaluate import evaluate
 from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.sdk.backends.server_runs import ServerRunHost
@@ -32,7 +32,7 @@ from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import ErrorReply
 from tinkerless.wire.runs import CheckpointPolicy, RunCall
 
-CLI = [sys.executable, "-m", "tinkerless.sdk.cli.main"]
+CLI = [sys.executable, "-m", "tinkerless.sdk.cli.commands"]
 
 
 def _short_run(model: str, storage: Path, backend, run_id: str, **extra):

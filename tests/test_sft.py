@@ -20,7 +20,7 @@ from tinkerless.sdk.backends.base import LocalBackend
 from tinkerless.sdk.sft.loop import batch_indices, sft
 from tinkerless.storage import CheckpointStore, ObjectStore
 
-CLI = [sys.executable, "-m", "tinkerless.sdk.cli.main"]
+CLI = [sys.executable, "-m", "tinkerless.sdk.cli.commands"]
 
 
 def _examples(count: int) -> list[dict]:
@@ -42,7 +42,7 @@ def _adapter(storage: Path, run_id: str, step: int) -> bytes:
 
 
 def test_sft_run_lowers_nll_and_leaves_what_an_rl_run_leaves(tiny_model, tmp_path, capsys):
-    from tinkerless.sdk.cli.main import main
+    from tinkerless.sdk.cli.commands import main
 
     result = sft(
         model=tiny_model, data=_examples(12), eval_fraction=0.25, steps=6, batch_size=3, eval_every=2,
@@ -94,7 +94,7 @@ def test_bad_data_fails_before_a_run_exists_and_keeps_earlier_runs(tiny_model, t
 
 
 def test_cli_reports_malformed_json_with_its_line_and_an_unknown_resume(tiny_model, tmp_path, capsys):
-    from tinkerless.sdk.cli.main import main
+    from tinkerless.sdk.cli.commands import main
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(_examples(1)[0]) + "\n{oops\n")
@@ -171,7 +171,7 @@ def test_sft_through_tinkerless_serve_matches_the_local_run(tiny_model, tmp_path
 
 
 def test_export_episodes_writes_the_best_episodes_as_sft_data(tiny_model, tmp_path, capsys):
-    from tinkerless.sdk.cli.main import main
+    from tinkerless.sdk.cli.commands import main
     from tinkerless.sdk.sft.data import read_jsonl, to_messages
 
     run_dir = tmp_path / "runs/rl"
@@ -202,7 +202,7 @@ def test_export_episodes_writes_the_best_episodes_as_sft_data(tiny_model, tmp_pa
 def test_export_then_sft_round_trip_from_a_real_rl_run(tiny_model, tmp_path, capsys):
     """Expert iteration on a real run: RL with every episode kept, export, SFT on the export."""
     import tinkerless
-    from tinkerless.sdk.cli.main import main
+    from tinkerless.sdk.cli.commands import main
 
     rl = tinkerless.train(
         model=tiny_model, reward=lambda completion, task: float(len(completion) % 2), tasks=[{"prompt": "go"}],

@@ -47,7 +47,7 @@ def free_port() -> int:
 def start_server(home: Path, model: str, storage: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "tinkerless.sdk.cli.main", "serve", "--model", model, "--port", str(port),
+        [sys.executable, "-m", "tinkerless.sdk.cli.commands", "serve", "--model", model, "--port", str(port),
          "--storage", str(storage), "--no-auth"],
         env=isolated_env(home), cwd=storage, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

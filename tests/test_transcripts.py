@@ -11,7 +11,7 @@ import pytest
 import tinkerless
 from tinkerless.envs.gomoku import GomokuEnv, random_opponent
 from tinkerless.errors import ConfigError
-from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.cli.commands import main
 from tinkerless.sdk.run.metrics import describe_rewards, reward_summary
 from tinkerless.sdk.run.step_metrics import step_record
 from tinkerless.sdk.run.transcripts import episode_record, sample, token_counts

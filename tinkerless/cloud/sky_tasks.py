@@ -93,7 +93,7 @@ def train_or_resume(argv: list[str]) -> int:
     """Run `tinkerless train` on `argv`, resuming the run when storage already holds it."""
     from tinkerless.coordinator import state_key
     from tinkerless.coordinator.state import validate_run_id
-    from tinkerless.sdk.cli.main import main as cli_main
+    from tinkerless.sdk.cli.commands import main as cli_main
     from tinkerless.storage import ObjectStore
 
     parser = argparse.ArgumentParser(
@@ -126,7 +126,7 @@ def serve_until_idle(argv: list[str]) -> int:
     probe.add_argument("--port", type=int, default=8000)
     probe.add_argument("--api-key-env")
     known, _ = probe.parse_known_args(serve_args)
-    server = subprocess.Popen([sys.executable, "-m", "tinkerless.sdk.cli.main", "serve", *serve_args])
+    server = subprocess.Popen([sys.executable, "-m", "tinkerless.sdk.cli.commands", "serve", *serve_args])
     signal.signal(signal.SIGTERM, lambda *_: server.terminate())  # a cancel or teardown reaches the server too
     if args.idle_minutes <= 0:
         return _exit_code(server.wait())

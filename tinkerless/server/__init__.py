@@ -5,6 +5,7 @@
   `tinker_api`) for the official `tinker` SDK, and hosts the runs clients drive through it
   (`runs.RunService`: coordinator and checkpoints, `POST /v1/runs/...`);
 - `scheduler.Scheduler`: one model, calls in each client's sequence order, tenants in turn, 429 when full;
+  `streams`: that per-client sequence order (calls held until their predecessors arrive, gaps skipped);
 - `stats.ServerStats`: the `/metrics` counters (Prometheus text);
 - `keys.KeyStore`: API keys, stored hashed; `tenancy`: per-tenant scoping of policy names.
 FastAPI and uvicorn load only when this package is imported (extra `serve`).

@@ -8,6 +8,7 @@ one to the next. Four rules pick who runs:
   model (a Tinker `TrainingClient`, or one `HTTPBackend`). Jobs carry the client's
   sequence number and run strictly in that order, whatever order they arrived in;
   a job whose predecessor has not arrived yet waits for it. Clients number from 1.
+  (`tinkerless.server.streams`, which also skips a gap that is never filled.)
 * **Fairness between tenants.** Among runnable jobs, tenants take turns
   (round-robin), so one tenant's long queue cannot starve another's.
 * **Time slices.** A long job (generation) reaches a safe point after every decode step
@@ -24,10 +25,6 @@ one to the next. Four rules pick who runs:
   unfinished jobs of one tenant, `submit` raises `QueueFull` (HTTP 429 with Retry-After)
   instead of queueing without bound.
 
-A client may reserve a sequence number and never send it (it failed before
-sending). After `gap_timeout` seconds a stream stuck on such a gap skips ahead,
-with a warning, rather than hanging its later calls forever.
-
 **The resume fence.** A run driven through the server owns its policies: `bind` gives
 them to one stream (the run's current driver, on open, save and restore). A job that
 changes a policy (`Job.policies`) owned by another stream is refused with `StaleDriver`
@@ -41,7 +38,6 @@ restore is a later job, so it is ordered after it.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import os
 import threading
 import time
@@ -51,8 +47,7 @@ from typing import Any, Callable, Iterable
 
 from tinkerless.errors import SequenceReused, StaleDriver
 from tinkerless.functions.sampling.slicing import slice_host
-
-logger = logging.getLogger(__name__)
+from tinkerless.server.streams import Stream, Streams
 
 
 class QueueFull(Exception):
@@ -83,13 +78,6 @@ class Job:
     admit: bool = False  # paused so that a not-yet-started job could start
     started: float = 0.0
     slice_started: float = 0.0
-
-
-@dataclass
-class _Stream:
-    next_seq: int = 1
-    waiting: dict[int, Job] = field(default_factory=dict)
-    stalled_since: float | None = None
 
 
 class _Host:
@@ -137,7 +125,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._ready: dict[str, deque[Job]] = {}  # tenant -> runnable jobs in arrival order
         self._turns: deque[str] = deque()  # tenants with runnable jobs, in round-robin order
-        self._streams: dict[tuple[str, str], _Stream] = {}
+        self._streams = Streams()  # per-stream order; gaps skipped after gap_timeout
         self._owners: dict[tuple[str, str], str | None] = {}  # (tenant, policy) -> the stream driving its run
         self._pending = 0  # jobs not yet started
         self._unfinished: dict[str, int] = {}  # tenant -> its jobs queued, running or paused
@@ -172,8 +160,8 @@ class Scheduler:
                 raise QueueFull(mine, retry_after=self._retry_after(mine), tenant_quota=self.max_pending_per_tenant)
             job = Job(tenant, stream, seq, fn, policies=frozenset(policies))
             if stream is not None and seq is not None:
-                state = self._streams.setdefault((tenant, stream), _Stream())
-                if seq < state.next_seq or seq in state.waiting:
+                state = self._streams.get(tenant, stream)
+                if state.used(seq):
                     job.future.set_exception(SequenceReused(seq, state.next_seq))
                     return job.future
             refusal = self._refusal(job)
@@ -188,8 +176,7 @@ class Scheduler:
             if stream is None or seq is None:
                 self._make_ready(job)
             else:
-                state.waiting[seq] = job
-                self._release(state)
+                self._make_ready(*state.hold(job))
             self._cond.notify_all()
             return job.future
 
@@ -197,8 +184,8 @@ class Scheduler:
         """Mark a sequence number as used without running anything: the call was refused on arrival, or
         (`refuse_reused`) it needs no model and runs at once, so a number used before is SequenceReused."""
         with self._cond:
-            state = self._streams.setdefault((tenant, stream), _Stream())
-            if seq < state.next_seq or seq in state.waiting:
+            state = self._streams.get(tenant, stream)
+            if state.used(seq):
                 if refuse_reused:
                     raise SequenceReused(seq, state.next_seq)
                 return
@@ -218,7 +205,7 @@ class Scheduler:
             for policy in policies:
                 self._owners[(tenant, policy)] = stream
             queued = [job for job in self._ready.get(tenant, ())]
-            queued += [job for (t, _), state in self._streams.items() if t == tenant for job in state.waiting.values()]
+            queued += self._streams.held(tenant)
             for job in queued:
                 if job.stream != stream and job.policies & policies and not job.future.running():
                     self._refuse(job, self._refusal(job))
@@ -264,13 +251,12 @@ class Scheduler:
             if not self._unfinished[job.tenant]:
                 del self._unfinished[job.tenant]
 
-    def _placeholder(self, state: _Stream, job: Job) -> None:
+    def _placeholder(self, state: Stream, job: Job) -> None:
         """Mark `job`'s sequence number used by a job that runs nothing."""
         job.counted = False
         job.fn = lambda: None
-        state.waiting[job.seq] = job
         self._pending += 1
-        self._release(state)
+        self._make_ready(*state.hold(job))
 
     def _retry_after(self, ahead: int = 8) -> float:
         # About the time the calls ahead take to finish, so a retry finds room; 1-30 s.
@@ -312,38 +298,13 @@ class Scheduler:
             self._turns.remove(tenant)
         return job
 
-    def _make_ready(self, job: Job) -> None:
-        queue = self._ready.setdefault(job.tenant, deque())
-        if not queue and job.tenant not in self._turns:
-            self._turns.append(job.tenant)
-        queue.append(job)
-
-    def _release(self, state: _Stream) -> None:
-        """Move the stream's consecutive arrived jobs to the ready queue.
-
-        The tenant's ready queue is first-in first-out, and a paused job goes back to its
-        front, so releasing seq n+1 right behind seq n still runs them in order.
-        """
-        while state.next_seq in state.waiting:
-            self._make_ready(state.waiting.pop(state.next_seq))
-            state.next_seq += 1
-        if not state.waiting:
-            state.stalled_since = None
-        elif state.stalled_since is None:
-            state.stalled_since = time.monotonic()
-
-    def _skip_stalled_gaps(self) -> None:
-        now = time.monotonic()
-        for (tenant, stream), state in self._streams.items():
-            if state.waiting and state.stalled_since is not None and now - state.stalled_since > self.gap_timeout:
-                missing, waited = state.next_seq, now - state.stalled_since
-                state.next_seq = min(state.waiting)
-                state.stalled_since = None
-                logger.warning(
-                    "stream %s of tenant %r waited %.0fs for call #%d, which never arrived; continuing at #%d",
-                    stream, tenant, waited, missing, state.next_seq,
-                )
-                self._release(state)
+    def _make_ready(self, *jobs: Job) -> None:
+        """Queue `jobs` to run, in order (a stream's are released in its sequence order)."""
+        for job in jobs:
+            queue = self._ready.setdefault(job.tenant, deque())
+            if not queue and job.tenant not in self._turns:
+                self._turns.append(job.tenant)
+            queue.append(job)
 
     def _next_job(self) -> Job | None:
         while self._turns:
@@ -368,7 +329,7 @@ class Scheduler:
                     if self._closed:
                         return
                     self._cond.wait(timeout=1.0)
-                    self._skip_stalled_gaps()
+                    self._make_ready(*self._streams.skip_stalled_gaps(self.gap_timeout))
                     job = self._next_job()
                 if job.thread is None:
                     self._pending -= 1

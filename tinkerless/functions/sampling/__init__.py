@@ -2,6 +2,7 @@
 
 - `engine`: the `Engine` interface and the transformers engine (per-row seeds, stop tokens, top logprobs);
 - `batcher`: continuous batching, every concurrent generate call decoding in one shared batch;
+  `blocks`: that batch's rows between forwards (merged, assembled, replicated) and their draw across calls;
 - `kv_cache`: conversations' KV caches kept between turns; `gqa_attention`: copy-free grouped-query attention;
 - `lora_inference`: LoRA layers' forward without peft's per-call bookkeeping (mixed adapters in one batch);
 - `slicing`: the safe points where a long generation lets other tenants' calls run;

@@ -29,19 +29,20 @@ Each call (a Tinker `sample`, `/v1/call/sample`, a rollout's turn) registers its
 
 Outside a server several threads may call `generate` at once (a local thread pool): a lock
 makes each step atomic, so they batch too.
+
+The batch's tensors between forwards (rows merged, assembled, replicated; the draw across members)
+are `blocks`' work: this module decides who joins and runs the forwards.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
+from tinkerless.functions.sampling.blocks import _assemble, _Block, _draw_block, _Member, _replicate, _top_block
 from tinkerless.functions.sampling.kv_cache import KVSession, growing_cache, length_buckets, row_layers, stack_left_padded
 from tinkerless.functions.sampling.slicing import join_due, slice_due, yield_slice
 from tinkerless.wire.messages import SamplingParams
@@ -51,39 +52,6 @@ if TYPE_CHECKING:
     from tinkerless.functions.sampling.token_stream import TokenStream
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
-
-
-@dataclass
-class _Member:
-    job: GenerationJob
-    policy: str | None
-    reach: int  # KV positions its rows may need: longest prompt + max_tokens
-
-
-@dataclass
-class _Block:
-    """Rows decoded by one forward: their members (in row order), KV cache, next input, mask, positions."""
-    members: list[_Member]
-    cache: DynamicCache | None
-    input: torch.Tensor
-    attention: torch.Tensor
-    positions: torch.Tensor
-
-    @property
-    def rows(self) -> int:
-        return sum(m.job.active_rows for m in self.members)
-
-    def extend(self, other: _Block) -> None:
-        """Append `other`'s rows; the shorter KV cache is left-padded (masked: it counts for no row)."""
-        width = max(self.attention.shape[1], other.attention.shape[1])
-        capacity = width - 1 + _reserve(self.members + other.members)  # one copy into buffers with room to decode
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.adopt(stack_left_padded([mine.keys, theirs.keys], width - 1, capacity),
-                       stack_left_padded([mine.values, theirs.values], width - 1, capacity), width - 1)
-        self.attention = torch.cat([_left_pad(self.attention, width, -1), _left_pad(other.attention, width, -1)])
-        self.input = torch.cat([self.input, other.input])
-        self.positions = torch.cat([self.positions, other.positions])
-        self.members += other.members
 
 
 class Batcher:
@@ -162,7 +130,7 @@ class Batcher:
                 if block is not None and self._running is None:
                     self._running = block
                 elif block is not None:
-                    self._running.extend(block)
+                    self._running.extend(block, _reserve(self._running.members + block.members))
 
     def _take_waiting(self) -> list[_Member]:
         """The waiting jobs that fit in max_batch_size rows and max_batch_positions KV positions (rows x the
@@ -322,78 +290,6 @@ class Batcher:
         return block
 
 
-def _draw_block(members: list[_Member], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Each row's token and its log-prob, in row order. Members that draw alike (`GenerationJob.draw_key`: the
-    same temperature and no top-k/top-p, or greedy) are drawn together, in one softmax/cumsum/searchsorted over
-    all their rows rather than one per member: every row still takes its uniform from its own generator, so it
-    draws exactly what it would alone. Rows go to Python lists once per block."""
-    groups: dict[object, list[int]] = {}  # draw key -> indices of its members
-    for i, member in enumerate(members):
-        key = member.job.draw_key
-        groups.setdefault(key if key is not None else ("alone", i), []).append(i)
-    if len(groups) == 1:  # the usual case: one draw over the whole block
-        picks, picked = members[0].job.draw(logits, [g for m in members for g in m.job.generators()])
-        return picks.tolist(), picked.tolist()
-    starts = [0]
-    for member in members:
-        starts.append(starts[-1] + member.job.active_rows)
-    picks = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    picked = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
-    for indices in groups.values():
-        rows = torch.tensor([r for i in indices for r in range(starts[i], starts[i + 1])], device=logits.device)
-        group_picks, group_picked = members[indices[0]].job.draw(
-            logits.index_select(0, rows), [g for i in indices for g in members[i].job.generators()])
-        picks[rows], picked[rows] = group_picks, group_picked
-    return picks.tolist(), picked.tolist()
-
-
-def _top_block(members: list[_Member], logits: torch.Tensor) -> list[list[tuple[int, float]]] | None:
-    """Per row, the most likely tokens and their log-probs (untempered, as the drawn tokens' log-probs), as
-    many as the block's members ask for at most (each job keeps its own k); None when none asks."""
-    k = max((m.job.top_logprobs for m in members), default=0)
-    if not k:
-        return None
-    top = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-    return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-
-
-def _assemble(parts: list[tuple[_Block, torch.Tensor]], groups: list[list[int]], count: int) -> tuple[_Block, torch.Tensor]:
-    """One block (and logits) of `count` rows from per-group prefills: group g's rows go to the indices
-    `groups[g]`, every row's cache left-padded to the widest (masked)."""
-    width = max(block.attention.shape[1] for block, _ in parts)
-    first, first_logits = parts[0]
-    device = first_logits.device
-    attention = first.attention.new_zeros((count, width))
-    positions = first.positions.new_zeros((count, 1))
-    logits = first_logits.new_empty((count, first_logits.shape[1]))
-    capacity = width + max(layer.capacity - layer.length for block, _ in parts for layer in block.cache.layers[:1])
-    layers = [(layer.keys.new_empty((count, layer.keys.shape[1], capacity, layer.keys.shape[3])),
-               layer.values.new_empty((count, layer.values.shape[1], capacity, layer.values.shape[3])))
-              for layer in first.cache.layers]
-    for (block, part_logits), group in zip(parts, groups):
-        index = torch.tensor(group, device=device)
-        own = block.attention.shape[1]
-        attention[index, width - own :] = block.attention
-        positions[index] = block.positions[:, -1:]
-        logits[index] = part_logits
-        for (keys, values), layer in zip(layers, block.cache.layers):
-            keys[index, :, : width - own] = 0  # padding: masked, but must be finite
-            values[index, :, : width - own] = 0
-            keys[index, :, width - own : width] = layer.keys
-            values[index, :, width - own : width] = layer.values
-    block = _Block([], growing_cache(layers, width), first.input.new_zeros((count, 1)), attention, positions)
-    return block, logits
-
-
-def _replicate(block: _Block, logits: torch.Tensor, source: list[int]) -> tuple[_Block, torch.Tensor]:
-    """The block with row i a copy of row source[i] (rows that share one prefill)."""
-    index = torch.tensor(source, device=logits.device)
-    cache = block.cache
-    cache.batch_select_indices(index)  # GrowingLayer: the copies keep their room to decode into
-    block = _Block([], cache, block.input[index], block.attention[index], block.positions[index])
-    return block, logits[index]
-
-
 def solo_batcher(job: GenerationJob) -> Batcher:
     """A private batcher that runs `job` alone with the model its caller activated (`GenerationJob.advance`)."""
     engine = _SoloEngine(job.device)
@@ -430,11 +326,3 @@ def _reserve(members: list[_Member]) -> int:
     max_tokens (the most it may grow by), up to MAX_RESERVE."""
     return min(max((m.job.sampling.max_tokens for m in members), default=0), MAX_RESERVE)
 
-
-def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """`tensor` padded with zeros on the left of `dim` to `width` (masked positions: their values never count)."""
-    missing = width - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    pad = [0, 0] * (-dim - 1) + [missing, 0]
-    return F.pad(tensor, pad)

@@ -1,3 +1,3 @@
-from tinkerless.sdk.cli.main import main
+from tinkerless.sdk.cli.commands import main
 
 raise SystemExit(main())

@@ -61,7 +61,7 @@ def _policy_flags(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from tinkerless.errors import ConfigError
-    from tinkerless.sdk.cli.main import load_config
+    from tinkerless.sdk.cli.commands import load_config
     from tinkerless.sdk.evaluation.evaluate import evaluate
     from tinkerless.sdk.run.metrics import jsonable
 
