@@ -191,7 +191,7 @@ def coordinate(config_blob: Any, run_id: str, modal_config: ModalConfig, *, stat
     resume = ObjectStore(storage).exists(state_key(run_id))
     backend = ModalBackend(
         config.model, classes, modal_config, state_dir=state_dir, volume=volume,
-        engine=config.engine, micro_batch_size=config.micro_batch_size,
+        engine=config.engine, micro_batch_size=config.micro_batch_size, dtype=getattr(config, "dtype", "auto"),
     )  # fmt: skip
     commit, _ = volume_hooks(volume)
     stop = threading.Event()

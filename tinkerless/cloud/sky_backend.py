@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _CLUSTER_NAME = re.compile(r"[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?")  # SkyPilot's rule; also a safe key-file name
 # Worker settings that `make_backend` passes to every backend; on a server they are the server's to set.
-_SERVER_SIDE_OPTIONS = ("engine", "micro_batch_size")
+_SERVER_SIDE_OPTIONS = ("engine", "micro_batch_size", "dtype")
 
 
 @dataclass

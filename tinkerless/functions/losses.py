@@ -194,6 +194,12 @@ def compute_loss(
     else:
         adv = clean(advantages).detach()
         log_ratio = lp - clean(sampler_logprobs).detach()
+        # The sampler/trainer gap on the sampled tokens (the cookbook's kl_sample_train): before the step, both
+        # score the same policy, so any gap is numerics (bf16, batch shapes, another engine). Large values are
+        # what tis_cap corrects (docs/performance.md).
+        gap = -log_ratio.detach()
+        metrics["logprob_gap"] = _masked_mean(gap.abs(), m)
+        metrics["kl_sample_train"] = _masked_mean(gap, m)
         ratio = torch.exp(log_ratio)
         lo, hi = 1.0 - config.clip_low, 1.0 + config.clip_high
         if config.name == "importance_sampling":

@@ -30,6 +30,7 @@ from tinkerless.functions.training import forward_backward as training
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.sampling.engine import TransformersEngine
 from tinkerless.functions.training.policy_state import check_weights_fit, parse_policy_state
+from tinkerless.functions.precision import dtype_name, resolve_dtype
 from tinkerless.functions.models import load_model, resolve_model
 from tinkerless.functions.threads import apply_threads, choose_threads
 from tinkerless.wire import decode_message, encode_message
@@ -94,15 +95,18 @@ class Worker:
         max_batch_size: int = 64,
         threads: int | None = None,
         user_code_hosts: Any = None,
+        dtype: str = "auto",
     ):
         """`user_code_hosts` (a `tinkerless.functions.hosting.user_code.UserCodeHosts`): run the env/reward/agent code
-        clients ship in each tenant's sandboxed process instead of unpickling it here (a shared server)."""
+        clients ship in each tenant's sandboxed process instead of unpickling it here (a shared server).
+        `dtype`: the base weights' precision (`precision.py`: auto, bf16 or fp32; adapters stay fp32)."""
         self.model_name = model
         # Before any torch work: the default thread count oversubscribes a loaded or restricted CPU.
         self.threads = choose_threads(threads)
         apply_threads(self.threads)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.base_model, self.tokenizer = load_model(model, device=self.device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.base_model, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device)
         self.chat = ChatFormat(self.tokenizer, self.base_model.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.micro_batch_size = micro_batch_size
@@ -186,6 +190,7 @@ class Worker:
             "model": self.model_name,
             "device": self.device,
             "device_name": self.device_name,
+            "dtype": dtype_name(self.dtype),
             "engine": self.engine.name,
             "threads": self.threads.threads,
             # A copy first: a server answers info while another thread may be creating a policy.

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tinkerless.functions.precision import check_dtype
 from tinkerless.errors import ConfigError
 from tinkerless.functions.losses import LOSS_NAMES, LossConfig
 from tinkerless.envs.base import is_multi_agent
@@ -76,6 +77,7 @@ class TrainConfig:
     seed: int = 0
     backend: str = "local"
     engine: str = "auto"  # auto | transformers | vllm (auto picks vLLM when it and a GPU are present)
+    dtype: str = "auto"  # base weights: auto (bf16 on a GPU that supports it, else fp32) | bf16 | fp32
     threads: int | None = None  # local CPU threads; None: OMP_NUM_THREADS, else free usable cores (docs/threads.md)
     storage: str = "."
     # fsspec options for `storage`, e.g. {"client_kwargs": {"endpoint_url": "https://<acct>.r2.cloudflarestorage.com"}};
@@ -101,6 +103,7 @@ class TrainConfig:
             raise ConfigError(f"unknown algo {self.algo!r}", hint=f"one of {', '.join(ALGORITHMS)}")
         if self.loss not in LOSS_NAMES:
             raise ConfigError(f"unknown loss {self.loss!r}", hint=f"one of {', '.join(LOSS_NAMES)}")
+        check_dtype(self.dtype)
         if self.on_env_error not in ("skip", "raise"):
             raise ConfigError(f"on_env_error must be 'skip' or 'raise', got {self.on_env_error!r}")
         for name in ("steps", "batch_size", "group_size", "max_tokens", "max_turns", "threads", "checkpoint_every", "lora_rank"):

@@ -64,6 +64,9 @@ FIELD_DOCS: dict[str, str] = {
     "backend": "Where the model work runs: `local` (this machine), `modal`, `sky` / `sky:<cluster>` "
     "(SkyPilot), or `http://host:port` (a `tinkerless serve` server).",
     "engine": "Generation engine: `auto` (vLLM when it and a GPU are present), `transformers` or `vllm`.",
+    "dtype": "Precision of the base weights: `auto` (bf16 on a CUDA GPU that supports it, fp32 on a CPU), `bf16` or "
+             "`fp32`. LoRA weights, optimizer state, log-softmax and losses stay fp32; adapters load across dtypes. "
+             "On a `tinkerless serve` server its `--dtype` decides (docs/performance.md).",
     "storage": "Where runs live: a directory or an fsspec URL (`s3://bucket/prefix`). Runs are under "
     "`<storage>/runs/<run_id>/`.",
     "storage_options": "fsspec options for `storage`, e.g. `{'client_kwargs': {'endpoint_url': ...}}`; never "

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from tinkerless.functions.precision import DTYPES
 from tinkerless.errors import ConfigError, TinkerlessError, UserCodeError
 from tinkerless.sdk.cli import evaluate as cli_eval, export as cli_export, sft as cli_sft
 
@@ -84,6 +85,7 @@ _OVERRIDES = {
     "loss": str,
     "algo": str,
     "engine": str,
+    "dtype": str,
     "transcripts_per_step": int,
     "threads": int,
     "init_from": str,
@@ -131,6 +133,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--threads", type=int, default=None,
         help="CPU threads for the model (default: OMP_NUM_THREADS, else the free usable cores; docs/threads.md)",
+    )
+    serve.add_argument(
+        "--dtype", choices=DTYPES, default="auto",
+        help="precision of the base weights: auto (bf16 on a GPU that supports it, fp32 on a CPU), bf16 or fp32; "
+        "LoRA weights and optimizer state stay fp32 (default: %(default)s)",
     )
     serve.add_argument(
         "--single-user", action="store_true",
@@ -265,7 +272,7 @@ def _serve(args) -> int:
         max_request_bytes=args.max_request_bytes, max_pending=args.max_pending,
         max_pending_per_tenant=args.max_pending_per_tenant, slice_seconds=args.slice_seconds, single_user=args.single_user,
         limits=ServingLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServingLimits)}),
-        threads=args.threads,
+        threads=args.threads, dtype=args.dtype,
     )
     return 0
 

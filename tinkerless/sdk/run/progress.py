@@ -23,6 +23,7 @@ class Progress:
             reward=_fmt(record.get("reward_mean")),
             loss=_fmt(record.get("loss"), 3, "g"),
             tok_s=_fmt(record.get("tokens_per_s"), 1),
+            kl_st=_fmt(record.get("kl_sample_train"), 2, "e"),  # the sampler/trainer gap (tis_cap corrects it)
             err=record.get("episodes_error", 0),
             compute_s=_fmt(record.get("compute_s/total"), 1),
             trunc=_percent(record.get("episodes_truncated_frac")),

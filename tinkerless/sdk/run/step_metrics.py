@@ -33,6 +33,9 @@ def step_record(
         "entropy": merged.get("entropy", math.nan),
         "grad_norm": merged.get("grad_norm", math.nan),
         "clip_fraction": merged.get("clip_fraction", math.nan),
+        # mean |sampler - trainer| log-prob of the trained tokens, and the KL estimate mean(sampler - trainer)
+        "logprob_gap": merged.get("logprob_gap", math.nan),
+        "kl_sample_train": merged.get("kl_sample_train", math.nan),
         "sampled_tokens": sampled,
         "trained_tokens": sum(m.get("tokens", 0.0) for m in metrics.values()),
         "tokens_per_s": sampled / max(timings["rollout_s"], 1e-9),

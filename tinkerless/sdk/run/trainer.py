@@ -98,6 +98,7 @@ class _Run:
         self.backend = with_usage(
             backend
             or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size,
+                            dtype=config.dtype,
                             **({"threads": config.threads} if config.backend == "local" and config.threads else {}))
         )
         try:
