@@ -23,8 +23,13 @@ from tinkerless.errors import ConfigError
 
 # Activation memory one micro-batch may keep for backward (an estimate, see below) before it recomputes
 # layers instead; $TINKERLESS_ACTIVATION_MB overrides it (a GPU with room to spare trains faster with a
-# larger budget: fewer, larger matmuls). Measured peaks: BENCHMARKS.md, "Training memory".
+# larger budget: fewer, larger matmuls). Measured peaks: BENCHMARKS.md, "Training memory". On a GPU the
+# budget is a share of the memory still free to this process (`gpu_activation_budget`), at most the figure here.
 DEFAULT_ACTIVATION_MB = {"cpu": 1024, "cuda": 8192}
+# What share of the free GPU memory activations may take: the rest holds the logits of the micro-batch,
+# gradients, the optimizer's step and the allocator's fragmentation.
+GPU_FREE_SHARE = 0.4
+MIN_ACTIVATION_MB = 256
 ACTIVATION_ENV = "TINKERLESS_ACTIVATION_MB"
 # Floats backward keeps per token per layer, per unit of hidden and intermediate size (a LoRA
 # all-linear decoder layer: norms, q/k/v/o inputs and outputs, attention output, MLP inputs,
@@ -45,7 +50,10 @@ def activation_budget_bytes(device: torch.device | str = "cpu") -> int:
     raw = os.environ.get(ACTIVATION_ENV)
     if raw is None:
         kind = torch.device(device).type
-        return DEFAULT_ACTIVATION_MB.get(kind, DEFAULT_ACTIVATION_MB["cpu"]) * 2**20
+        ceiling = DEFAULT_ACTIVATION_MB.get(kind, DEFAULT_ACTIVATION_MB["cpu"]) * 2**20
+        if kind == "cuda" and torch.cuda.is_available():
+            return min(ceiling, gpu_activation_budget(torch.device(device)))
+        return ceiling
     try:
         mb = float(raw)
     except ValueError:
@@ -53,6 +61,21 @@ def activation_budget_bytes(device: torch.device | str = "cpu") -> int:
     if not mb > 0:
         raise ConfigError(f"${ACTIVATION_ENV}={raw!r} is not a positive number of megabytes", hint="e.g. 1024, or unset it")
     return int(mb * 2**20)
+
+
+def gpu_activation_budget(device: torch.device) -> int:
+    """A share of the GPU memory this process may still take: the device's free memory, or less under a cap set
+    with `torch.cuda.set_per_process_memory_fraction` (a 24 GB card's worth on an 80 GB one), whichever is
+    smaller. So the same run cuts smaller micro-batches (and recomputes more) on a smaller card."""
+    free, total = torch.cuda.mem_get_info(device)
+    capped = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
+    available = max(0, min(free, capped) + _reusable(device))
+    return max(MIN_ACTIVATION_MB * 2**20, int(GPU_FREE_SHARE * available))
+
+
+def _reusable(device: torch.device) -> int:
+    """Memory torch has reserved but is not using: the allocator hands it out again before asking for more."""
+    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def activation_bytes_per_token(model) -> int | None:
