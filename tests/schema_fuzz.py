@@ -65,7 +65,8 @@ def hostile_for(hint: Any) -> st.SearchStrategy:
         return common | strings | numbers | st.lists(element, min_size=1, max_size=3)
     if origin is dict or hint is dict:
         args = typing.get_args(hint) or (str, Any)
-        return common | strings | numbers | st.dictionaries(
+        return common | strings | numbers | st.sampled_from([{1: "int key", "s": 2}, {0: None}, {"a": b"\xff"}]) \
+            | st.dictionaries(
             st.sampled_from(["", "..", "a/b", "\x00", "__dc__", "x" * 300]) | st.text(max_size=4),
             hostile_for(args[1]) if args[1] is not Any else strings | numbers | st.none(), min_size=1, max_size=2)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):

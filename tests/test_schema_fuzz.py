@@ -193,5 +193,9 @@ def test_the_issues_classes_are_400s_of_category_user(target):
         policies = [CheckpointPolicy("default", "", POLICY)]
         refused("/v1/runs/checkpoint/save", SaveCheckpointRequest(target.run_id, target.lease, 1, policies, {key: b"x"}))
         refused("/v1/runs/checkpoint/restore", RestoreCheckpointRequest(target.run_id, target.lease, policies, [key]))
+    for metadata in ({1: "x", "a": 2}, {"a": {0: 1}}, {"b": b"\xff"}, {"n": [1, {"x": np.zeros(2)}]}):
+        policies = [CheckpointPolicy("default", "", POLICY)]
+        assert "metadata" in refused("/v1/runs/checkpoint/save", SaveCheckpointRequest(
+            target.run_id, target.lease, 1, policies, {}, metadata))
     names = [str(p.relative_to(storage)) for p in storage.rglob("*")]
     assert not [n for n in names if "api_keys" in n and not n.startswith("server/")], names

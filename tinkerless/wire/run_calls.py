@@ -2,7 +2,7 @@
 
 Each call takes only its own arguments, the required ones present, each of the right type and range, before
 the server's coordinator sees them (`wait_rollouts(timeout=NaN)` would otherwise spin). The value checks are
-`validate`'s own (`_check_number`, `_check_plain`, `between`): one set of rules for every wire value.
+`validate`'s own (`_check_number`, `check_json_object`, `between`): one set of rules for every wire value.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from tinkerless.errors import InvalidRequest
-from tinkerless.wire.validate import MAX_STEP, _check_number, _check_plain, _fail, between
+from tinkerless.wire.validate import MAX_STEP, _check_number, _fail, between, check_json_object
 
 def _participants(value: Any, path: str) -> None:
     if not isinstance(value, list) or not value or not all(isinstance(p, str) and 0 < len(p) <= 128 for p in value):
@@ -42,7 +42,7 @@ def _optional_map(value: Any, path: str) -> None:
     if value is not None:
         if not isinstance(value, dict):
             _fail(path, f"must be a map or null, got {type(value).__name__}")
-        _check_plain(value, path, 0)
+        check_json_object(value, path)  # it is written into the run's state.json
 
 
 def _status(value: Any, path: str) -> None:

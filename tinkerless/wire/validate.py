@@ -83,6 +83,25 @@ def _check_plain(value: Any, path: str, depth: int) -> None:
         _fail(path, f"holds a {type(value).__name__}, which is not plain data")
 
 
+def check_json_object(value: Any, path: str, depth: int = 0) -> None:
+    """Data that is written as JSON (a checkpoint's metadata, a run's config, metrics and summary): maps with
+    string keys only (JSON has no other; a map mixing int and str keys cannot even be sorted), of plain values."""
+    if depth > MAX_DEPTH:
+        _fail(path, f"is nested more than {MAX_DEPTH} levels deep", "send flatter data")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                _fail(path, f"has a key of type {type(key).__name__} ({str(key)[:20]!r}); JSON keys are strings")
+            check_json_object(item, f"{path}[{key!r}]", depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_json_object(item, f"{path}[{i}]", depth + 1)
+    elif isinstance(value, (bytes, np.ndarray)) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        _fail(path, f"holds a {type(value).__name__}, which JSON cannot hold", "send numbers, strings, lists and maps")
+    else:
+        _check_plain(value, path, depth)
+
+
 def _check(value: Any, hint: Any, path: str, depth: int = 0) -> None:
     if depth > MAX_DEPTH:
         _fail(path, f"is nested more than {MAX_DEPTH} levels deep", "send flatter data")
@@ -212,6 +231,10 @@ def _json(value: Any, path: str) -> None:
     _check_plain(value, path, 0)
 
 
+def _json_object(value: Any, path: str) -> None:
+    check_json_object(value, path)
+
+
 def _agent_transport(value: Any, path: str) -> None:
     if value not in ("asgi", "http"):
         _fail(path, f"is {str(value)[:40]!r}, not 'asgi' or 'http'")
@@ -262,7 +285,7 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
         m.PolicyState: {"policy": trainable_policy, "policy_version": step, "files": _file_keys},
         r.CheckpointPolicy: {"name": policy_name, "file_prefix": _checkpoint_file_prefix,
                              "worker_policy": policy_name, "version": step},
-        r.SaveCheckpointRequest: {"run_id": _run_id, "step": step, "keep_last": count, "metadata": _json,
+        r.SaveCheckpointRequest: {"run_id": _run_id, "step": step, "keep_last": count, "metadata": _json_object,
                                   "files": _file_keys, "policies": _non_empty},
         r.RestoreCheckpointRequest: {"run_id": _run_id, "step": step, "keep_last": count,
                                      "client_files": _file_keys},
