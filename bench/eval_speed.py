@@ -21,7 +21,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def measure(example: str, args) -> dict:
-    from tinkerless.sdk.cli.main import load_config
+    from tinkerless.sdk.cli.commands import load_config
     from tinkerless.sdk.evaluation.evaluate import evaluate
 
     config = load_config(str(EXAMPLES / f"{example}.py")).replace(model=args.model, progress=False)

@@ -48,7 +48,7 @@ def free_port() -> int:
 
 
 def start_server(model: str, storage: str, port: int, slice_seconds: float, threads: int | None) -> subprocess.Popen:
-    command = [sys.executable, "-c", "from tinkerless.sdk.cli.main import main; raise SystemExit(main())", "serve",
+    command = [sys.executable, "-c", "from tinkerless.sdk.cli.commands import main; raise SystemExit(main())", "serve",
                "--model", model, "--storage", storage, "--port", str(port), "--slice-seconds", str(slice_seconds)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     if threads:

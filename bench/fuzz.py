@@ -4,7 +4,9 @@
 
 Starts a server on 127.0.0.1 (auth on, tenants alice and bob, a tiny random model, storage in a
 temporary directory), then sends `--requests` requests drawn by the strategies of
-`tests/fuzz_cases.py` (the ones tests/test_fuzz.py runs a few hundred of), with a random seed.
+`tests/fuzz_cases.py` (mutated templates, raw bodies, headers: the ones tests/test_fuzz.py runs a few
+hundred of) and `tests/schema_fuzz.py` (every field of every msgpack route's wire message, values drawn
+from its type: tests/test_schema_fuzz.py), half each, with a random seed.
 Prints the request count, a status-code table per API (target: no 5xx), whether the server
 still answers a normal call, and whether any file landed outside the tenants' prefixes.
 Exits 1 on any 5xx.
@@ -23,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from fuzz_cases import Target, prepare, requests, still_serves  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from schema_fuzz import schema_requests  # noqa: E402
 
 from tinkerless.functions.models import build_tiny_model  # noqa: E402
 from tinkerless.functions.worker import Worker  # noqa: E402
@@ -60,7 +64,7 @@ def main() -> int:
 
         @seed(args.seed)
         @settings(max_examples=args.requests, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        @given(data=requests(target))
+        @given(data=st.one_of(requests(target), schema_requests(target)))
         def one(data):
             response = data.send(target)
             table[_api(data.path)][response.status_code] += 1

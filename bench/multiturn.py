@@ -46,7 +46,7 @@ def run_child(args: argparse.Namespace) -> None:
     """One training run in this process; prints one RESULT line of JSON per cache mode."""
     import tinkerless
     from tinkerless.sdk.backends.base import LocalBackend
-    from tinkerless.sdk.cli.main import load_config
+    from tinkerless.sdk.cli.commands import load_config
 
     overrides = dict(model=args.model, steps=args.steps, progress=False, checkpoint_every=10**6)
     if args.batch_size:
@@ -154,7 +154,7 @@ def compare_rollouts(args: argparse.Namespace) -> None:
     """The main job's rollout, then guess_number's with the cache off and on, round after round in one process
     on one worker (so all three see the same load); the first round warms up. Rollouts only, same batch."""
     from tinkerless.functions.worker import Worker
-    from tinkerless.sdk.cli.main import load_config
+    from tinkerless.sdk.cli.commands import load_config
 
     worker = Worker(args.model)
     runs = {}
@@ -205,7 +205,7 @@ def main() -> None:
     if args.compare_rollouts:
         compare_rollouts(args)
         return
-    from tinkerless.sdk.cli.main import load_config
+    from tinkerless.sdk.cli.commands import load_config
 
     same = (args.batch_size, args.group_size)
     own = load_config(str(EXAMPLES["gomoku_vs_random"]))

@@ -27,7 +27,7 @@ class Served:
 
 
 def _tinkerless(*args: str) -> list[str]:
-    return [sys.executable, "-c", "import sys; from tinkerless.sdk.cli.main import main; sys.exit(main())", *args]
+    return [sys.executable, "-c", "import sys; from tinkerless.sdk.cli.commands import main; sys.exit(main())", *args]
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 import tinkerless  # noqa: E402
 from tinkerless.functions.hosting.user_code import UserCodeHost, UserCodeHosts  # noqa: E402
 from tinkerless.functions.worker import Worker  # noqa: E402
-from tinkerless.sdk.cli.main import load_config  # noqa: E402
+from tinkerless.sdk.cli.commands import load_config  # noqa: E402
 from tinkerless.sdk.backends.http import HTTPBackend  # noqa: E402
 from tinkerless.server import create_app, serve_in_thread  # noqa: E402
 from tinkerless.server.keys import KeyStore  # noqa: E402

@@ -134,3 +134,63 @@ def wire_dataclasses() -> list[type]:
         found += [obj for obj in vars(module).values()
                   if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__]
     return found
+
+
+# ---- every msgpack route, and requests drawn from the schema (tests/test_schema_fuzz.py, bench/fuzz.py) -------
+
+
+class Duel:
+    """A valid two-seat env, so that rollout_multi's template is a request the server really runs."""
+
+    agents = ("a", "b")
+
+    def reset(self, **task) -> None:
+        self.moves = 0
+
+    def turn(self):
+        return None if self.moves >= 2 else ("a", "b")[self.moves % 2]
+
+    def observation(self, agent: str) -> str:
+        return f"move {self.moves}"
+
+    def step(self, agent: str, action: str):
+        import tinkerless
+
+        self.moves += 1
+        return tinkerless.MultiStepResult(rewards={agent: 1.0})
+
+
+def routes(target) -> dict[str, object]:
+    """path -> a valid request of that route's type, for every msgpack route."""
+    from fuzz_cases import POLICY, call_templates, run_templates
+
+    from tinkerless.wire import pack_code
+    from tinkerless.wire.messages import DeletePolicyRequest, MultiAgentRolloutRequest, Seat
+
+    calls = call_templates()
+    multi = calls["rollout_multi"]
+    calls["rollout_multi"] = MultiAgentRolloutRequest(
+        [{}], 1, pack_code(Duel), {"a": Seat(POLICY), "b": Seat("base", trainable=False)}, multi.sampling,
+        multi.limits, 0)
+    calls["delete_policy"] = DeletePolicyRequest("fz-gone")
+    out = {f"/v1/call/{m}": body for m, body in calls.items() if m != "info"}
+    out.update(run_templates(target))
+    return out
+
+
+def schema_requests(target) -> st.SearchStrategy:
+    """One request to a msgpack route with one field, entry or element replaced by a value drawn from its type."""
+    from fuzz_cases import HttpRequest, _encode
+
+    from tinkerless.wire.http import MSGPACK
+
+    templates = routes(target)
+    cases = [(path, where, hint) for path, template in templates.items() for where, hint in field_paths(template)]
+
+    @st.composite
+    def one(draw):
+        path, where, hint = draw(st.sampled_from(cases))
+        body = replaced(templates[path], where, draw(hostile_for(hint)))
+        return HttpRequest("POST", path, _encode(body), {"Content-Type": MSGPACK})
+
+    return one()

@@ -13,52 +13,18 @@ from __future__ import annotations
 import os
 
 import pytest
-from fuzz_cases import POLICY, Target, _encode, call_templates, prepare, run_templates, still_serves
+from fuzz_cases import POLICY, Target, _encode, prepare, still_serves
 from hypothesis import HealthCheck, given, settings, strategies as st
-from schema_fuzz import field_paths, hostile_for, replaced, wire_dataclasses
+from schema_fuzz import field_paths, hostile_for, replaced, routes, wire_dataclasses
 
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.server.keys import KeyStore
 from tinkerless.storage import ObjectStore
-from tinkerless.wire import decode_message, pack_code
+from tinkerless.wire import decode_message
 from tinkerless.wire.http import MSGPACK
-from tinkerless.wire.messages import DeletePolicyRequest, ErrorReply, MultiAgentRolloutRequest, Seat
+from tinkerless.wire.messages import ErrorReply
 
 EXAMPLES = int(os.environ.get("TINKERLESS_FUZZ_EXAMPLES", "300"))
-
-
-class Duel:
-    """A valid two-seat env, so that rollout_multi's template is a request the server really runs."""
-
-    agents = ("a", "b")
-
-    def reset(self, **task) -> None:
-        self.moves = 0
-
-    def turn(self):
-        return None if self.moves >= 2 else ("a", "b")[self.moves % 2]
-
-    def observation(self, agent: str) -> str:
-        return f"move {self.moves}"
-
-    def step(self, agent: str, action: str):
-        import tinkerless
-
-        self.moves += 1
-        return tinkerless.MultiStepResult(rewards={agent: 1.0})
-
-
-def routes(target: Target) -> dict[str, object]:
-    """path -> a valid request of that route's type, for every msgpack route."""
-    calls = call_templates()
-    multi = calls["rollout_multi"]
-    calls["rollout_multi"] = MultiAgentRolloutRequest(
-        [{}], 1, pack_code(Duel), {"a": Seat(POLICY), "b": Seat("base", trainable=False)}, multi.sampling,
-        multi.limits, 0)
-    calls["delete_policy"] = DeletePolicyRequest("fz-gone")
-    out = {f"/v1/call/{m}": body for m, body in calls.items() if m != "info"}
-    out.update(run_templates(target))
-    return out
 
 
 @pytest.fixture(scope="module")
