@@ -81,3 +81,65 @@ def test_an_adapter_trained_in_bf16_loads_in_fp32_and_back(tiny_model, tmp_path)
     back = Worker(tiny_model, dtype="bf16")
     back.load_state(LoadStateRequest(fp32.save_state(SaveStateRequest("p"))))
     assert np.array_equal(back.forward(ForwardRequest("p", [datum])).logprobs[0], a)
+
+
+def test_fp32_adapters_on_a_bf16_base_sample_from_a_bf16_copy_that_follows_every_write(tiny_model):
+    """The short LoRA path (sampling/lora_inference.py) on a bf16 base: a bf16 copy of the fp32 adapter, equal to
+    peft's own forward to bf16 rounding, and rebuilt after in-place writes (an optimizer step, a load)."""
+    from tinkerless.functions.sampling import lora_inference
+    from tinkerless.functions.worker import Worker
+
+    worker = Worker(tiny_model, dtype="bf16")
+    worker.create_policy(CreatePolicyRequest("p", LoraConfig(rank=4, seed=2)))
+    layer = next(m for m in worker.model.modules() if getattr(m, lora_inference._MARK, False))
+    worker.model.set_adapter("p")
+    x = torch.randn(3, 5, layer.base_layer.in_features, dtype=torch.bfloat16)
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return layer(x), type(layer).forward(layer, x)
+
+    with torch.no_grad():
+        layer.lora_B["p"].weight.normal_()  # B starts at zero: give the adapter an effect to compare
+    lean, peft = both()
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    assert lean.dtype == torch.bfloat16 and layer._tinkerless_views["p"].copied
+    assert relative(lean, peft) < 0.01  # bf16 rounding of the adapter's product, not another result
+    with torch.no_grad():
+        layer.lora_A["p"].weight.mul_(3.0)  # an in-place write, as an optimizer step makes
+    after, peft_after = both()
+    assert relative(after, lean) > 0.1  # the copy was rebuilt, not stale
+    assert relative(after, peft_after) < 0.01
+
+
+def test_after_an_update_a_bf16_worker_samples_from_the_new_weights(tiny_model):
+    """The sampler's recorded log-probs after optimizer steps are the updated policy's (the trainer's, to bf16
+    rounding), not the weights before the steps: a stale bf16 copy would record those."""
+    from tinkerless.functions.losses import LossConfig
+    from tinkerless.functions.worker import Worker
+    from tinkerless.wire.messages import AdamParams, SamplingParams, UpdateRequest
+
+    worker = Worker(tiny_model, dtype="bf16")
+    worker.create_policy(CreatePolicyRequest("p", LoraConfig(rank=8, seed=5)))
+    prompt = [5, 6, 7, 8]
+    # a first sample builds the bf16 copies of the adapter (what a stale copy would keep sampling from)
+    worker.engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[]), policy="p", seed=7)
+    tokens = np.arange(5, 25, dtype=np.int32)
+    ones = np.ones(len(tokens), np.float32)
+    for _ in range(5):  # large steps: the policy moves away from where it started
+        worker.update(UpdateRequest("p", [Datum(tokens, ones, advantages=ones, sampler_logprobs=-ones)],
+                                    LossConfig(), AdamParams(learning_rate=0.5)))
+    [after] = worker.engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[]), policy="p", seed=7)
+    sampled = np.array(prompt + list(after.tokens), np.int32)
+    mask = np.r_[np.zeros(len(prompt)), np.ones(len(after.tokens))].astype(np.float32)
+
+    def scored(policy: str) -> np.ndarray:
+        return worker.forward(ForwardRequest(policy, [Datum(sampled, mask)])).logprobs[0][len(prompt):]
+
+    recorded = np.asarray(after.logprobs)
+    to_trainer = np.abs(recorded - scored("p")).mean()
+    to_base = np.abs(recorded - scored("base")).mean()  # the adapter started at zero: "before" is the base
+    assert to_trainer < 0.25 * to_base, (to_trainer, to_base)

@@ -8,8 +8,9 @@ than the rank-16 matmuls themselves: sampling from an adapter ran at ~0.8 of the
 tokens/s (BENCHMARKS.md, issue #15).
 
 `install` gives each LoRA layer a forward that takes a short path in the common sampling case (no
-gradients, at most one active adapter of plain LoRA, matching dtypes, a plain `nn.Linear` base, no
-extra arguments) and calls peft's own forward in every other case. The short path keeps each
+gradients, at most one active adapter of plain LoRA, an input in the base's dtype, a plain `nn.Linear` base,
+no extra arguments) and calls peft's own forward in every other case. fp32 adapters on a bf16 base are
+sampled from a bf16 copy of their weights, refreshed when their version counters move. The short path keeps each
 weight's transpose as a view (a view shares its parameter's storage, so optimizer steps and loads,
 which write in place, show through it; a swapped storage, an adapter made again or a new scaling
 rebuild the views) and computes `x W^T + scaling * (x A^T) B^T` in three BLAS calls. The base
@@ -70,7 +71,7 @@ class _Views:
     the same storage under the same scaling."""
 
     __slots__ = ("weight", "weight_ptr", "bias", "bias_ptr", "lora_a", "a_ptr", "lora_b", "b_ptr", "scale", "dtype",
-                 "weight_t", "a_t", "b_t", "dropout")
+                 "weight_t", "a_t", "b_t", "dropout", "copied", "a_version", "b_version")
 
     def __init__(self, base: nn.Linear, lora_a: nn.Linear | None, lora_b: nn.Linear | None, scaling: float,
                  dropout: bool) -> None:
@@ -83,8 +84,20 @@ class _Views:
         self.b_ptr = self.lora_b.data_ptr() if lora_b is not None else 0
         self.scale, self.dtype = scaling, base.weight.dtype
         self.weight_t = base.weight.t()
-        self.a_t = self.lora_a.t() if lora_a is not None else None
-        self.b_t = self.lora_b.t() if lora_b is not None else None
+        # fp32 adapters on a bf16 base (functions/precision.py): the short path samples from a copy in the base's
+        # dtype instead of letting peft cast every input and output, in every layer, every step. A copy does not
+        # see in-place writes the way a view does: the parameters' version counters (bumped by every in-place
+        # write, optimizer steps and loads included) say when it is stale.
+        self.copied = lora_a is not None and self.lora_a.dtype != self.dtype
+        self.a_version = self.lora_a._version if lora_a is not None else 0
+        self.b_version = self.lora_b._version if lora_b is not None else 0
+        if lora_a is None:
+            self.a_t = self.b_t = None
+        elif self.copied:
+            self.a_t = self.lora_a.detach().to(self.dtype).t()
+            self.b_t = self.lora_b.detach().to(self.dtype).t()
+        else:
+            self.a_t, self.b_t = self.lora_a.t(), self.lora_b.t()
         self.dropout = dropout  # a real dropout: only outside training mode is it the identity
 
     def current(self, layer: nn.Module, name: str) -> bool:
@@ -105,7 +118,9 @@ class _Views:
         return (lora_a is not None and lora_b is not None
                 and lora_a._parameters["weight"] is self.lora_a and self.lora_a.data_ptr() == self.a_ptr
                 and lora_b._parameters["weight"] is self.lora_b and self.lora_b.data_ptr() == self.b_ptr
-                and layer.scaling.get(name) == self.scale)
+                and layer.scaling.get(name) == self.scale
+                and (not self.copied or (self.lora_a._version == self.a_version
+                                         and self.lora_b._version == self.b_version)))
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -157,7 +172,7 @@ def _build_views(self, name: str) -> _Views | None:
         lora_a, lora_b = self.lora_A[name], self.lora_B[name]
         if name in self.lora_variant or type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear:
             return None  # DoRA and other variants
-        if lora_a.bias is not None or lora_b.bias is not None or lora_a.weight.dtype != base.weight.dtype:
+        if lora_a.bias is not None or lora_b.bias is not None or not lora_a.weight.is_floating_point():
             return None
         dropout = not isinstance(self.lora_dropout[name], nn.Identity)
         views = _Views(base, lora_a, lora_b, self.scaling[name], dropout)
