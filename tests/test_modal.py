@@ -45,6 +45,7 @@ from tinkerless.wire.messages import (
     CreatePolicyRequest,
     Datum,
     EpisodeLimits,
+    ErrorReply,
     ForwardRequest,
     LoraConfig,
     RolloutRequest,
@@ -572,3 +573,42 @@ def test_modal_cli_finds_the_example_entrypoint_and_refuses_without_a_token(tmp_
     assert usage.returncode == 0 and "--steps" in usage.stdout and "--run-id" in usage.stdout, usage.stdout + usage.stderr
     refused = subprocess.run([*command, "--steps", "1"], env=env, check=False, capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "modal token new" in refused.stdout + refused.stderr
+
+
+def test_a_reader_proves_each_version_it_loads_against_the_writers_proof(built, tiny_model, tmp_path):
+    """Issue #26's hand-off check on Modal's readers: the writer commits a proof with each version; a reader whose
+    copy of the files, or whose loaded weights, differ from it refuses to serve, naming policy, version and values."""
+    from tinkerless.functions.handoff import PROOF_FILE, VersionProof
+
+    params = {"model": tiny_model, "state_dir": str(tmp_path)}
+    update = built.classes["update"](**params)
+    update.call.local("create_policy", encode_message(CreatePolicyRequest("pol", LoraConfig(rank=4, seed=3))), {})
+    tokens = np.arange(5, 17, dtype=np.int32)
+    ones = np.ones(len(tokens), np.float32)
+    step = UpdateRequest("pol", [Datum(tokens, ones, advantages=ones, sampler_logprobs=-ones)], LossConfig(),
+                         AdamParams(learning_rate=5e-2))
+    assert decode_message(update.call.local("update", encode_message(step), {"pol": 0})[0]).policy_version == 1
+    version_dir = tmp_path / "adapters" / model_key(tiny_model) / "pol" / "v1"
+    proof = VersionProof.from_bytes((version_dir / PROOF_FILE).read_bytes())
+    assert (proof.policy, proof.version, len(proof.probe_logprobs)) == ("pol", 1, len(proof.probe_tokens) - 1)
+    request = encode_message(ForwardRequest("pol", [Datum(tokens, ones)]))
+
+    def read(versions: dict) -> object:
+        return decode_message(built.classes["forward"](**params).call.local("forward", request, versions)[0])
+
+    assert not isinstance(read({"pol": 1}), ErrorReply)  # the proof holds: served
+    weights = version_dir / "adapter" / "adapter_model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-4] + b"\x00\x00\x80\x7f")  # a torn or stale copy of the files
+    reply = read({"pol": 1})
+    assert isinstance(reply, ErrorReply) and reply.type == "WeightSyncError"
+    assert "'pol' version 1" in reply.error and "hash to" in reply.error and proof.adapter_sha256[:16] in reply.error
+    weights.write_bytes(good)
+    wrong = VersionProof(proof.policy, 1, proof.adapter_sha256, proof.probe_tokens,
+                         [v + 0.5 for v in proof.probe_logprobs], proof.dtype)
+    (version_dir / PROOF_FILE).write_bytes(wrong.to_bytes())  # files intact, but the weights would not reproduce it
+    reply = read({"pol": 1})
+    assert isinstance(reply, ErrorReply) and reply.type == "WeightSyncError" and "probe" in reply.error
+    assert "differ from the writer's by 0.5" in reply.error
+    (version_dir / PROOF_FILE).unlink()  # a Volume written before proofs existed: its versions load as before
+    assert not isinstance(read({"pol": 1}), ErrorReply)

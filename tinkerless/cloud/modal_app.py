@@ -23,7 +23,9 @@ The writer does the same with the optimizer included: a replaced container
 memory is ahead of the client because a reply was lost, which makes a retried
 `update` apply once. Gradients from a `forward_backward` not yet followed by
 `optim_step` live only in the writer's memory: `update` (what `train()` uses) does
-both in one call.
+both in one call. Each version carries the writer's proof (`functions/handoff.py`): a reader
+checks the files' digest before loading them and its probe log-probs after, and a mismatch is a
+`WeightSyncError` naming the policy, the version and both values, never a rollout from other weights.
 
 The classes are plain module-level classes decorated inside `build_app`, so one
 module serves any config; containers rebuild the same App from the config JSON the
@@ -47,6 +49,7 @@ from tinkerless.cloud.modal_backend import role_for
 from tinkerless.cloud.modal_config import CONFIG_ENV, GPU_ROLES, ROLES, ModalConfig
 from tinkerless.cloud.modal_volume import VOLUME_MOUNT, AdapterStore, model_key
 from tinkerless.errors import ConfigError, TinkerlessError, UserError
+from tinkerless.functions.handoff import PROOF_FILE, VersionProof, check_files, check_loaded, make_proof
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import ErrorReply, LoadStateRequest, PolicyState, SaveStateRequest
 
@@ -111,7 +114,16 @@ class _WorkerHost:
             # A new container lacks the policy; a writer ahead of the client lost a reply (a retried
             # call): both restore the named, committed version, so a retried update is applied once.
             files = self.store.read(policy, version)
+            # The writer's proof of this version (functions/handoff.py): the files must hash to its digest before
+            # they load, and this container's probe log-probs must equal its after. A Volume written before
+            # proofs existed has none: its versions load unchecked, as they did.
+            raw_proof = files.pop(PROOF_FILE, None)
+            proof = VersionProof.from_bytes(raw_proof) if raw_proof is not None else None
+            if proof is not None:
+                check_files(proof, policy, version, files)
             self.worker.load_state(LoadStateRequest(PolicyState(policy, files, version), include_optimizer=writer))
+            if proof is not None:
+                check_loaded(self.worker, proof)
 
     def _publish(self, method: str, payload: bytes, reply: bytes) -> None:
         """Commit the changed policy's state to the Volume before the reply leaves the container."""
@@ -121,7 +133,8 @@ class _WorkerHost:
         request = decode_message(payload)
         policy = request.state.policy if isinstance(request, LoadStateRequest) else request.policy
         state = self.worker.save_state(SaveStateRequest(policy, include_optimizer=True))
-        self.store.write(policy, state.policy_version, state.files)
+        proof = make_proof(self.worker, policy, state.policy_version, state.files)
+        self.store.write(policy, state.policy_version, {**state.files, PROOF_FILE: proof.to_bytes()})
 
 
 # Modal reads parameters from each class's own namespace, so every class declares them.
