@@ -11,6 +11,8 @@
   episode loops, single- and multi-agent, and chat formatting in token space;
 - `hosting/`: users' env, reward and agent code next to the model, behind the sandbox;
 - `openai_api/`: the OpenAI-compatible endpoint agents and `tinkerless serve` share;
+- `precision`: the base weights' dtype (adapters stay fp32); `handoff`: the proof a writer commits with each
+  policy version, which readers check when they load it;
 - `models`: model resolution and loading (SmolLM2 from its GGUF package, HF ids, local paths, tiny test models);
   `hf_cache`: a local model placed in the HF cache; `threads`: the worker's CPU thread count.
 """
