@@ -14,11 +14,12 @@ the first lookups and reach the code behind them. `requests(target)` draws one h
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import msgpack
@@ -318,6 +319,25 @@ def _encode(body: Any) -> bytes:
         return encode_message(body)
     except Exception:  # a value the codec cannot send (an int past 64 bits): send it as plain msgpack instead
         return _raw_envelope({"v": 1, "py": PYTHON_VERSION, "body": repr(body)[:200]})
+
+
+@contextlib.contextmanager
+def fuzzed_server(model: str, storage) -> Iterator[Target]:
+    """`tinkerless serve`'s app on 127.0.0.1 with auth on, tenants alice and bob, storage in `storage`, and the
+    fuzzed tenant's policy, run, Tinker session and model already made (`prepare`)."""
+    from tinkerless.functions.worker import Worker
+    from tinkerless.server import create_app, serve_in_thread
+    from tinkerless.server.keys import KeyStore
+    from tinkerless.storage import ObjectStore
+
+    keys = KeyStore(ObjectStore(str(storage)))
+    tenants = {name: keys.create(name) for name in ("alice", "bob")}
+    with serve_in_thread(create_app(Worker(model), keys=keys, storage=str(storage))) as url:
+        target = prepare(Target(url, tenants))
+        try:
+            yield target
+        finally:
+            target.http.close()
 
 
 def prepare(target: Target) -> Target:

@@ -111,17 +111,9 @@ def _strip_optional(hint: Any) -> Any:
 
 def replaced(value: Any, path: tuple, new: Any) -> Any:
     """A copy of `value` with the element at `path` set to `new` (frozen dataclasses too)."""
-    import copy
+    from fuzz_cases import _replace
 
-    value = copy.deepcopy(value)
-    parent = value
-    for key in path[:-1]:
-        parent = getattr(parent, key) if dataclasses.is_dataclass(parent) else parent[key]
-    if dataclasses.is_dataclass(parent):
-        object.__setattr__(parent, path[-1], new)
-    else:
-        parent[path[-1]] = new
-    return value
+    return _replace(value, path, new)
 
 
 def wire_dataclasses() -> list[type]:

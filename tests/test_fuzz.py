@@ -14,12 +14,9 @@ import os
 from pathlib import Path
 
 import pytest
-from fuzz_cases import Target, prepare, requests, still_serves
+from fuzz_cases import fuzzed_server, requests, still_serves
 from hypothesis import HealthCheck, given, settings
 
-from tinkerless.server import create_app, serve_in_thread
-from tinkerless.server.keys import KeyStore
-from tinkerless.storage import ObjectStore
 from tinkerless.wire import decode_message
 from tinkerless.wire.messages import ErrorReply
 
@@ -28,16 +25,9 @@ EXAMPLES = int(os.environ.get("TINKERLESS_FUZZ_EXAMPLES", "300"))
 
 @pytest.fixture(scope="module")
 def target(tiny_model, tmp_path_factory):
-    from tinkerless.functions.worker import Worker
-
     storage = tmp_path_factory.mktemp("fuzz-storage")
-    keys = KeyStore(ObjectStore(str(storage)))
-    tenants = {name: keys.create(name) for name in ("alice", "bob")}
-    app = create_app(Worker(tiny_model), keys=keys, storage=str(storage))
-    with serve_in_thread(app) as url:
-        target = prepare(Target(url, tenants))
-        before = _files(storage)
-        yield target, storage, before
+    with fuzzed_server(tiny_model, storage) as target:
+        yield target, storage, _files(storage)
         target.http.close()
 
 

@@ -13,13 +13,10 @@ from __future__ import annotations
 import os
 
 import pytest
-from fuzz_cases import POLICY, Target, _encode, prepare, still_serves
+from fuzz_cases import POLICY, Target, _encode, fuzzed_server, still_serves
 from hypothesis import HealthCheck, given, settings, strategies as st
 from schema_fuzz import field_paths, hostile_for, replaced, routes, wire_dataclasses
 
-from tinkerless.server import create_app, serve_in_thread
-from tinkerless.server.keys import KeyStore
-from tinkerless.storage import ObjectStore
 from tinkerless.wire import decode_message
 from tinkerless.wire.http import MSGPACK
 from tinkerless.wire.messages import ErrorReply
@@ -29,16 +26,9 @@ EXAMPLES = int(os.environ.get("TINKERLESS_FUZZ_EXAMPLES", "300"))
 
 @pytest.fixture(scope="module")
 def target(tiny_model, tmp_path_factory):
-    from tinkerless.functions.worker import Worker
-
     storage = tmp_path_factory.mktemp("schema-fuzz")
-    keys = KeyStore(ObjectStore(str(storage)))
-    tenants = {name: keys.create(name) for name in ("alice", "bob")}
-    app = create_app(Worker(tiny_model), keys=keys, storage=str(storage))
-    with serve_in_thread(app) as url:
-        target = prepare(Target(url, tenants))
+    with fuzzed_server(tiny_model, storage) as target:
         yield target, storage
-        target.http.close()
 
 
 def send(target: Target, path: str, body: object):

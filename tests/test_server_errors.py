@@ -35,24 +35,32 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_a_server_dying_mid_call_names_that_call_not_finish(tiny_model, tmp_path):
+def _started_server(model: str, tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`tinkerless serve` as its own process (no auth, single user, storage in tmp_path), once it answers."""
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "tinkerless.sdk.cli.commands", "serve", "--model", tiny_model, "--port", str(port), "--no-auth",
-         "--single-user", "--storage", str(tmp_path / "server")],  # the reward below touches a marker file here
+        [sys.executable, "-m", "tinkerless.sdk.cli", "serve", "--model", model, "--port", str(port), "--no-auth",
+         "--single-user", "--storage", str(tmp_path / "server"), *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz").status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise AssertionError("the server did not start")
+        time.sleep(0.2)
+
+
+def test_a_server_dying_mid_call_names_that_call_not_finish(tiny_model, tmp_path):
+    # --single-user: the reward below touches a marker file in tmp_path, from the server
+    server, url = _started_server(tiny_model, tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
         marker = tmp_path / "rolling-out"
 
         def slow_reward(completion, task):  # runs on the server, inside the rollout call
@@ -130,23 +138,9 @@ def test_sigterm_cancels_a_running_generation_instead_of_waiting_for_it(tiny_mod
     """A generation for a caller that is waiting (or gone) must not hold `tinkerless serve`'s shutdown."""
     import threading
 
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tinkerless.sdk.cli.commands", "serve", "--model", tiny_model, "--port", str(port), "--no-auth",
-         "--single-user", "--storage", str(tmp_path / "server"), "--max-tokens", "2000"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    server, url = _started_server(tiny_model, tmp_path, "--max-tokens", "2000")
+    deadline = time.monotonic() + 120
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2000,
                 "temperature": 0.0, "n": 4}
