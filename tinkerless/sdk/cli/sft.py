@@ -35,6 +35,7 @@ _SFT_FLAGS = {
     "seed": (int, "seed of the hold-out split, the data order and the LoRA init (default: 0)"),
     "backend": (str, "local, modal, sky, sky:CLUSTER or http://host:port (default: local)"),
     "engine": (str, "auto, transformers or vllm (default: auto)"),
+    "dtype": (str, "base weights: auto (bf16 on a GPU that supports it, else fp32), bf16 or fp32 (default: auto)"),
     "threads": (int, "local CPU threads (default: OMP_NUM_THREADS, else the free usable cores)"),
     "storage": (str, "a directory or fsspec URL for runs/ (default: .)"),
     "run_id": (str, "the run id (default: generated from --name)"),

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tinkerless.functions.precision import check_dtype
 from tinkerless.errors import ConfigError
 from tinkerless.sdk.run.accounting import PriceTable
 
@@ -44,6 +45,7 @@ class SFTConfig:
     seed: int = 0
     backend: str = "local"
     engine: str = "auto"
+    dtype: str = "auto"  # base weights: auto (bf16 on a GPU that supports it, else fp32) | bf16 | fp32
     threads: int | None = None
     storage: str = "."
     storage_options: dict | None = None
@@ -59,6 +61,7 @@ class SFTConfig:
     def validate(self) -> None:
         if self.data is None:
             raise ConfigError("an SFT run needs data", hint='data="train.jsonl" or data=[{"messages": [...]}, ...]')
+        check_dtype(self.dtype)
         for name in ("epochs", "batch_size", "lora_rank", "max_length", "eval_every", "checkpoint_every", "micro_batch_size", "steps", "threads", "keep_checkpoints"):
             value = getattr(self, name)
             if value is None and name in ("steps", "threads", "keep_checkpoints"):

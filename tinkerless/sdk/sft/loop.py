@@ -116,7 +116,7 @@ class _SFTRun:
         self.backend = with_usage(
             backend
             or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size,
-                            **({"threads": config.threads} if config.backend == "local" and config.threads else {}))
+                            dtype=config.dtype, **({"threads": config.threads} if config.backend == "local" and config.threads else {}))
         )
         try:
             tokenizer, end_of_turn = load_tokenizer(self.backend, config.model)
