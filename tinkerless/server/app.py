@@ -20,7 +20,7 @@ generations paused between slices so that other tenants' calls run (see `schedul
 checked against the server's `ServingLimits` first (docs/serving-limits.md).
 
 This module builds the app (`create_app`); `stats` holds the `/metrics` counters and `serving`
-runs the app (`serve`, `serve_in_thread`, still importable from here).
+runs the app (`serve`, `serve_in_thread`; `tinkerless.server` exports all three).
 """
 
 from __future__ import annotations
