@@ -270,17 +270,23 @@ def _encode(tokenizer, text: str) -> list[int]:
     return ids
 
 
-def _characters(value: Any, depth: int = 0) -> int:
-    """Characters of text anywhere in the messages (contents, text parts, tool calls), without tokenizing."""
-    if isinstance(value, str):
-        return len(value)
-    if depth > 8:
-        return 0
-    if isinstance(value, dict):
-        return sum(_characters(v, depth + 1) for v in value.values())
-    if isinstance(value, list):
-        return sum(_characters(v, depth + 1) for v in value)
-    return 0
+def _characters(messages: Any) -> int:
+    """Characters of the text the template renders (contents, text parts, tool-call arguments), without
+    tokenizing: only what becomes tokens counts, so the bound never refuses a prompt that fits."""
+    total = 0
+    for message in messages if isinstance(messages, list) else ():
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        for call in message.get("tool_calls") or () if isinstance(message.get("tool_calls"), list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                total += len(function["arguments"])
+    return total
 
 
 def _model_card(name: str) -> dict:
