@@ -239,3 +239,20 @@ def test_an_empty_prompt_is_a_user_error(eos_worker):
 
     with pytest.raises(UserError, match="empty"):
         eos_worker.engine.generate([[3, 4], []], SamplingParams(max_tokens=2), policy=None, seed=0)
+
+
+def test_non_finite_logits_are_refused_greedy_or_sampled():
+    """A diverged adapter's NaN or infinite logits are never recorded as the policy's samples."""
+    import torch
+
+    from tinkerless.errors import UserError
+    from tinkerless.functions.sampling.engine import draw_rows
+
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(2, 5)
+        logits[1, 3] = bad
+        for temperature in (0.0, 1.0):
+            with pytest.raises(UserError, match="not finite"):
+                draw_rows(logits, temperature, [torch.Generator().manual_seed(i) for i in range(2)])
+    picks, logprobs = draw_rows(torch.zeros(2, 5), 1.0, [torch.Generator().manual_seed(i) for i in range(2)])
+    assert torch.isfinite(logprobs).all() and ((0 <= picks) & (picks < 5)).all()

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from tinkerless.errors import TinkerlessError
+from tinkerless.functions.precision import dtype_name  # (no torch at import: precision loads it when used)
 from tinkerless.wire.messages import Datum, ForwardRequest
 
 PROOF_FILE = "proof.json"
@@ -73,8 +74,6 @@ def probe_logprobs(worker: Any, policy: str, tokens: list[int]) -> list[float]:
 
 def make_proof(worker: Any, policy: str, version: int, files: dict[str, bytes]) -> VersionProof:
     """The writer's proof of `version` of `policy`, whose state it has just saved as `files`."""
-    from tinkerless.functions.precision import dtype_name
-
     tokens = probe_tokens(worker.vocab_size)
     return VersionProof(policy, version, adapter_digest(files), tokens, probe_logprobs(worker, policy, tokens),
                         dtype_name(worker.dtype))
@@ -96,8 +95,6 @@ def check_files(proof: VersionProof, policy: str, version: int, files: dict[str,
 def check_loaded(worker: Any, proof: VersionProof) -> float:
     """After loading: this worker's probe log-probs equal the writer's within the dtype's tolerance. The largest
     difference, which the caller may log."""
-    from tinkerless.functions.precision import dtype_name
-
     ours = probe_logprobs(worker, proof.policy, proof.probe_tokens)
     gap = float(np.max(np.abs(np.asarray(ours) - np.asarray(proof.probe_logprobs)))) if ours else 0.0
     dtypes = {proof.dtype, dtype_name(worker.dtype)}

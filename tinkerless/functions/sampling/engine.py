@@ -88,21 +88,21 @@ def draw_rows(
     logprobs = torch.log_softmax(logits, dim=-1)
     if temperature < GREEDY_BELOW:
         picks = logits.argmax(dim=-1)
-    else:
-        scores = logits / temperature
-        for warper in warpers:
-            scores = warper(None, scores)
-        probs = torch.softmax(scores, dim=-1)
-        uniforms = torch.stack([torch.rand((), generator=g, device=probs.device) for g in generators])
-        cdf = probs.cumsum(dim=-1)
-        _check_finite(cdf[:, -1])
-        # right=True: the first token whose cumulative mass exceeds u, so a zero-probability token
-        # (filtered by top_k / top_p) is never picked; u < total mass, clamped against rounding.
-        targets = torch.minimum(uniforms * cdf[:, -1], cdf[:, -1] * (1 - 1e-6))
-        picks = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
-    picked = logprobs.gather(1, picks[:, None]).squeeze(1)
-    _check_finite(picked)
-    return picks, picked
+        picked = logprobs.gather(1, picks[:, None]).squeeze(1)
+        _check_finite(picked)  # argmax picks something even from NaN logits
+        return picks, picked
+    scores = logits / temperature
+    for warper in warpers:
+        scores = warper(None, scores)
+    probs = torch.softmax(scores, dim=-1)
+    uniforms = torch.stack([torch.rand((), generator=g, device=probs.device) for g in generators])
+    cdf = probs.cumsum(dim=-1)
+    _check_finite(cdf[:, -1])  # one check a step: finite mass means finite logits, hence finite log-probs
+    # right=True: the first token whose cumulative mass exceeds u, so a zero-probability token
+    # (filtered by top_k / top_p) is never picked; u < total mass, clamped against rounding.
+    targets = torch.minimum(uniforms * cdf[:, -1], cdf[:, -1] * (1 - 1e-6))
+    picks = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
+    return picks, logprobs.gather(1, picks[:, None]).squeeze(1)
 
 
 def _check_finite(values: torch.Tensor) -> None:
