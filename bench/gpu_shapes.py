@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--update-batch", type=int, default=0, help="sequences per update (default: batch; 16 for 8B)")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--skip-baselines", action="store_true")
+    parser.add_argument("--exactness", default="135M", help="the shape to check graphs against eager decode on (fp32)")
     parser.add_argument("--out", default="gpu_shapes.jsonl")
     args = parser.parse_args()
     out = Path(args.out)
@@ -69,8 +70,19 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix=f"tinkerless-{shape}-") as tmp:
             model_dir = build_shape(shape, Path(tmp), args.tokenizer)
             update_batch = args.update_batch or (16 if shape == "8B" else args.batch)
-            for measure in (tinkerless_figures, *(() if args.skip_baselines else (static_generate, peft_update))):
-                for row in measure(model_dir, shape, args, update_batch):
+            measures = [tinkerless_figures, *(() if args.skip_baselines else (static_generate, peft_update))]
+            if args.exactness and shape == args.exactness:
+                measures.insert(0, exactness)
+            if shape == "8B" and args.device.startswith("cuda"):
+                measures.append(capped_rl_step)
+            for measure in measures:
+                try:
+                    measured = measure(model_dir, shape, args, update_batch)
+                except Exception as exc:  # noqa: BLE001 - one failed measurement must not lose the others
+                    measured = [{"shape": shape, "what": measure.__name__, "tokens_per_s": 0.0,
+                                 "error": f"{type(exc).__name__}: {exc}"[:500]}]
+                    _free(args.device)
+                for row in measured:
                     row["batch"] = args.batch
                     row.update(bound_fractions(row, shape, args.device))
                     _write(out, row)
@@ -142,9 +154,28 @@ def tinkerless_figures(model_dir: str, shape: str, args, update_batch: int) -> l
     prompts = _prompts(args)
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, stop_token_ids=[])
     worker.engine.generate(prompts[:2], SamplingParams(max_tokens=4, stop_token_ids=[]), policy="bench", seed=0)
+    base = {"shape": shape, "dtype": worker.info()["dtype"]}
+    rows = []
+    decoder = worker.engine.graphs  # the CUDA-graph decoder (None on a CPU or with TINKERLESS_CUDA_GRAPHS=0)
+    if decoder is not None:  # the same worker decoding eagerly: the in-run "before" of the graphs
+        worker.engine.graphs = None
+        eager, eager_s, eager_peak = _timed(
+            lambda: worker.engine.generate(prompts, sampling, policy="bench", seed=1), args.device)
+        rows.append({**base, "what": "tinkerless sampling, eager decode", "seconds": eager_s, "peak_gib": eager_peak,
+                     "tokens_per_s": sum(len(g.tokens) for g in eager) / eager_s})
+        worker.engine.graphs = decoder
+        _, first_s, _ = _timed(lambda: worker.engine.generate(prompts, sampling, policy="bench", seed=1), args.device)
     generations, sample_s, sample_peak = _timed(
         lambda: worker.engine.generate(prompts, sampling, policy="bench", seed=1), args.device)
     sampled = sum(len(g.tokens) for g in generations)
+    label = "" if decoder is None else ", CUDA graphs" if decoder.capture else ", pooled decode (no capture)"
+    graphed = {"what": "tinkerless sampling" + label,
+               "tokens_per_s": sampled / sample_s, "seconds": sample_s, "peak_gib": sample_peak}
+    if decoder is not None:
+        graphed.update(first_call_s=first_s, captures=decoder.captures, eager_steps=decoder.eager_steps,
+                       disabled=decoder.disabled, speedup_over_eager=rows[0]["seconds"] / sample_s,
+                       **agreement(eager, generations))
+    rows.append({**base, **graphed})
     data = []
     for prompt, g in zip(prompts[:update_batch], generations[:update_batch]):
         tokens = np.array(prompt + list(g.tokens), np.int32)
@@ -159,15 +190,98 @@ def tinkerless_figures(model_dir: str, shape: str, args, update_batch: int) -> l
         worker.optim_step(OptimStepRequest("bench", AdamParams(learning_rate=1e-5)))
         return fb
 
+    update()  # warm-up: the first step allocates the optimizer state
     fb, update_s, update_peak = _timed(update, args.device)
     trained = sum(len(d.tokens) for d in data)
-    base = {"shape": shape, "dtype": worker.info()["dtype"]}
     worker = None  # freed before the next measurement loads its own copy
     _free(args.device)
-    return [{**base, "what": "tinkerless sampling", "tokens_per_s": sampled / sample_s, "seconds": sample_s,
-             "peak_gib": sample_peak},
-            {**base, "what": "tinkerless update", "tokens_per_s": trained / update_s, "seconds": update_s,
-             "peak_gib": update_peak, "logprob_gap": fb.metrics.get("logprob_gap")}]
+    rows.append({**base, "what": "tinkerless update", "tokens_per_s": trained / update_s, "seconds": update_s,
+                 "peak_gib": update_peak, "logprob_gap": fb.metrics.get("logprob_gap"),
+                 "kl_sample_train": fb.metrics.get("kl_sample_train")})
+    return rows
+
+
+def agreement(eager: list, graphed: list) -> dict:
+    """How far the graphed decode's samples follow the eager decode's (same seeds, so the same uniforms): the share
+    of rows drawing identical tokens, and the largest log-prob difference over each row's common prefix."""
+    same_rows = sum(e.tokens == g.tokens for e, g in zip(eager, graphed))
+    gaps = []
+    for e, g in zip(eager, graphed):
+        common = next((i for i, (a, b) in enumerate(zip(e.tokens, g.tokens)) if a != b), min(len(e.tokens), len(g.tokens)))
+        gaps.extend(abs(a - b) for a, b in zip(e.logprobs[:common], g.logprobs[:common]))
+    return {"rows_identical": same_rows / max(1, len(eager)), "max_logprob_diff": max(gaps, default=0.0),
+            "mean_logprob_diff": float(np.mean(gaps)) if gaps else 0.0}
+
+
+def exactness(model_dir: str, shape: str, args, update_batch: int) -> list[dict]:
+    """Graphed against eager decode in fp32, where both must agree to float rounding: greedy and sampled rows,
+    rows stopping at their own times (a stop set of ~1/7 of the vocabulary), so slots empty and rows compact."""
+    from tinkerless.functions.worker import Worker
+    from tinkerless.wire.messages import CreatePolicyRequest, LoraConfig, SamplingParams
+
+    worker = Worker(model_dir, device=args.device, dtype="fp32", max_batch_size=args.batch)
+    worker.create_policy(CreatePolicyRequest("bench", LoraConfig(rank=16, seed=1)))
+    with torch.no_grad():
+        for p in worker.policies["bench"].params:
+            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(1))
+    decoder, prompts, rows = worker.engine.graphs, _prompts(args), []
+    if decoder is None:
+        return [{"shape": shape, "dtype": "fp32", "what": "graphs vs eager", "skipped": "no graphed decoder here"}]
+    for name, sampling in (("greedy", SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[])),
+                           ("sampled, rows stop", SamplingParams(max_tokens=48, temperature=1.0,
+                                                                 stop_token_ids=list(range(0, VOCAB, 7))))):
+        worker.engine.graphs = None
+        eager = worker.engine.generate(prompts, sampling, policy="bench", seed=4)
+        worker.engine.graphs = decoder
+        graphed = worker.engine.generate(prompts, sampling, policy="bench", seed=4)
+        rows.append({"shape": shape, "dtype": "fp32", "what": f"graphs vs eager, {name}", "tokens_per_s": 0.0,
+                     "replays": decoder.replays, "captures": decoder.captures, "disabled": decoder.disabled,
+                     "lengths": sorted(len(g.tokens) for g in graphed)[:: max(1, len(graphed) // 8)],
+                     **agreement(eager, graphed)})
+    worker = None
+    _free(args.device)
+    return rows
+
+
+def capped_rl_step(model_dir: str, shape: str, args, update_batch: int, cap_gib: float = 24.0) -> list[dict]:
+    """One RL step (sample 16 rows to 512 tokens, then forward_backward + optim_step on them) under a per-process
+    cap of `cap_gib` (`torch.cuda.set_per_process_memory_fraction`): does the shape train on a 24 GB card?"""
+    from tinkerless.functions.losses import LossConfig
+    from tinkerless.functions.worker import Worker
+    from tinkerless.wire.messages import (AdamParams, CreatePolicyRequest, Datum, ForwardBackwardRequest, LoraConfig,
+                                          OptimStepRequest, SamplingParams)
+
+    if not args.device.startswith("cuda"):
+        return []
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
+    row = {"shape": shape, "what": f"RL step under a {cap_gib:g} GiB cap", "tokens_per_s": 0.0}
+    try:
+        worker = Worker(model_dir, device=args.device, dtype=args.dtype, max_batch_size=16)
+        worker.create_policy(CreatePolicyRequest("capped", LoraConfig(rank=16)))
+        prompts = np.random.default_rng(2).integers(10, VOCAB - 10, size=(16, 128)).tolist()
+        torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        generations = worker.engine.generate(prompts, SamplingParams(max_tokens=384, stop_token_ids=[]),
+                                             policy="capped", seed=3)
+        data = []
+        for prompt, g in zip(prompts, generations):
+            tokens = np.array(prompt + list(g.tokens), np.int32)
+            mask = np.r_[np.zeros(len(prompt)), np.ones(len(g.tokens))].astype(np.float32)
+            data.append(Datum(tokens, mask, advantages=mask.copy(),
+                              sampler_logprobs=np.r_[np.zeros(len(prompt)), g.logprobs].astype(np.float32)))
+        worker.forward_backward(ForwardBackwardRequest("capped", data, LossConfig()))
+        worker.optim_step(OptimStepRequest("capped", AdamParams(learning_rate=1e-5)))
+        _sync(args.device)
+        row.update(fits=True, seconds=time.perf_counter() - started, dtype=worker.info()["dtype"],
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30, tokens=sum(len(d.tokens) for d in data))
+    except torch.cuda.OutOfMemoryError as exc:
+        row.update(fits=False, error=str(exc).splitlines()[0][:300], peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    finally:
+        worker = None
+        _free(args.device)
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return [row]
 
 
 def static_generate(model_dir: str, shape: str, args, update_batch: int) -> list[dict]:
@@ -216,7 +330,7 @@ def peft_update(model_dir: str, shape: str, args, update_batch: int) -> list[dic
 
 
 def bound_fractions(row: dict, shape: str, device: str) -> dict:
-    if not device.startswith("cuda"):
+    if not device.startswith("cuda") or not row.get("tokens_per_s"):
         return {}
     name = torch.cuda.get_device_name(0)
     bound = next((v for k, v in BOUNDS.items() if k in name), None)
@@ -241,7 +355,8 @@ def markdown(header: dict, rows: list[dict]) -> str:
     for r in rows:
         fraction = f"{100 * r['fraction_of_bound']:.1f}%" if "fraction_of_bound" in r else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
-        lines.append(f"| {r['shape']} | {r['what']} | {r['dtype']} | {r['tokens_per_s']:,.0f} | {fraction} | {peak} |")
+        lines.append(f"| {r['shape']} | {r['what']} | {r.get('dtype', '-')} | {r['tokens_per_s']:,.0f} | {fraction} "
+                     f"| {peak} |")
     return "\n".join(lines)
 
 

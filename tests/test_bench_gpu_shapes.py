@@ -24,3 +24,24 @@ def test_the_gpu_shapes_benchmark_runs_and_writes_each_measurement(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in measured.values())
     assert measured["tinkerless sampling"]["dtype"] == "fp32"  # auto on a CPU
     assert "| tiny | tinkerless update |" in done.stdout
+
+
+def test_with_the_pooled_decoder_it_measures_eager_and_graphed_sampling_and_their_exactness(tmp_path):
+    """TINKERLESS_STATIC_DECODE=1 runs the graphed decoder's layout on the CPU: the rows a GPU run writes for the
+    graphs (eager "before", graphed "after", fp32 exactness) are all there, and the exactness check agrees."""
+    import os
+
+    out = tmp_path / "shapes.jsonl"
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_shapes.py"
+    done = subprocess.run([sys.executable, str(script), "--shapes", "tiny", "--device", "cpu", "--batch", "6",
+                           "--prompt-tokens", "6", "--new-tokens", "8", "--exactness", "tiny", "--skip-baselines",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TINKERLESS_STATIC_DECODE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = {r["what"]: r for r in map(json.loads, out.read_text().splitlines()[1:])}
+    assert not [r for r in measured.values() if "error" in r], measured
+    for name in ("graphs vs eager, greedy", "graphs vs eager, sampled, rows stop"):
+        assert measured[name]["rows_identical"] == 1.0 and measured[name]["max_logprob_diff"] < 1e-4
+    pooled = measured["tinkerless sampling, pooled decode (no capture)"]
+    assert pooled["tokens_per_s"] > 0 and measured["tinkerless sampling, eager decode"]["tokens_per_s"] > 0
+    assert pooled["rows_identical"] == 1.0 and pooled["eager_steps"] == 0

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tinkerless.functions.sampling.blocks import _assemble, _Block, _draw_block, _Member, _replicate, _top_block
+from tinkerless.functions.sampling.graphed_decode import PooledCache
 from tinkerless.functions.sampling.kv_cache import KVSession, growing_cache, length_buckets, row_layers, stack_left_padded
 from tinkerless.functions.sampling.slicing import join_due, slice_due, yield_slice
 from tinkerless.wire.messages import SamplingParams
@@ -250,12 +251,34 @@ class Batcher:
     def _forward(self, block: _Block) -> _Block | None:
         """One decode step over the running block, one token drawn per row; finished rows leave. None when no row is left."""
         policies = [m.policy for m in block.members for _ in range(m.job.active_rows)]
-        out = self._run_model(policies, input_ids=block.input, attention_mask=block.attention,
-                              position_ids=block.positions, past_key_values=block.cache)
+        logits = self._replayed(block, policies)
+        if logits is None:
+            if isinstance(block.cache, PooledCache):
+                block.cache = block.cache.to_growing()
+            out = self._run_model(policies, input_ids=block.input, attention_mask=block.attention,
+                                  position_ids=block.positions, past_key_values=block.cache)
+            block.cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()
         self.decoded_tokens += block.input.shape[0]
         self.most_jobs = max(self.most_jobs, len(block.members))
-        block.cache = out.past_key_values
-        return self._draw(block, out.logits[:, -1, :].float())
+        return self._draw(block, logits)
+
+    def _replayed(self, block: _Block, policies: list[str | None]) -> torch.Tensor | None:
+        """The step's logits from the engine's graphed decoder (`graphed_decode`), or None where it has none or
+        cannot take this block (the step then runs eagerly, with the same result)."""
+        graphs = getattr(self.engine, "graphs", None)
+        if graphs is None:
+            return None
+        adapters = {self.engine.adapter_name(policy) for policy in set(policies)}
+        logits = None
+        if graphs.takes(block, adapters):
+            logits = graphs.decode(block, next(iter(adapters)), self.engine.activate_policy(policies[0]))
+        if logits is None:
+            graphs.eager_steps += 1
+            return None
+        self.steps += 1
+        self.widest = max(self.widest, len(policies))
+        return logits
 
     def _draw(self, block: _Block, logits: torch.Tensor) -> _Block | None:
         """Draw every row's next token from `logits` (`_draw_block`) and record each member's; finished rows
@@ -272,7 +295,7 @@ class Batcher:
             for position in sorted(set(range(count)) - set(kept)):
                 row = offset + position
                 member.job.finished(position, int(block.attention[row].sum()),
-                                    lambda row=row: row_layers(block.cache.layers, row, block.attention[row]))
+                                    lambda row=row: _row_layers(block.cache, row, block.attention[row]))
             keep.extend(offset + k for k in kept)
             picks.extend(drawn)
             offset += count
@@ -288,6 +311,13 @@ class Batcher:
         block.attention = torch.cat([block.attention, block.attention.new_ones((len(keep), 1))], dim=1)
         block.positions = block.positions[:, -1:] + 1
         return block
+
+
+def _row_layers(cache, row: int, mask: torch.Tensor):
+    """One row's keys/values at its real positions, from a growing cache or the graphed decoder's pool."""
+    if isinstance(cache, PooledCache):
+        return cache.row_layers(row, mask)
+    return row_layers(cache.layers, row, mask)
 
 
 def solo_batcher(job: GenerationJob) -> Batcher:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from tinkerless.functions.sampling.graphed_decode import PooledCache
 from tinkerless.functions.sampling.kv_cache import growing_cache, stack_left_padded
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ class _Block:
         the room to allocate beyond it (the batcher's `_reserve` of both blocks' members, which owns that policy)."""
         width = max(self.attention.shape[1], other.attention.shape[1])
         capacity = width - 1 + reserve  # one copy into buffers with room to decode
+        if isinstance(self.cache, PooledCache):  # out of the graphed decoder's pool: its next step re-pools the block
+            self.cache = self.cache.to_growing()
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
             mine.adopt(stack_left_padded([mine.keys, theirs.keys], width - 1, capacity),
                        stack_left_padded([mine.values, theirs.values], width - 1, capacity), width - 1)

@@ -34,6 +34,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from tinkerless.errors import UserError
 from tinkerless.functions.sampling.batcher import BASE_ADAPTER, Batcher
+from tinkerless.functions.sampling.graphed_decode import graphed_decoder
 from tinkerless.functions.sampling.kv_cache import DEFAULT_MAX_SESSION_BYTES, Continuation, KVSession, KVSessionStore
 from tinkerless.functions.sampling.token_stream import TokenEvent, TokenStream
 from tinkerless.wire.messages import GREEDY_BELOW, SamplingParams
@@ -95,7 +96,9 @@ def draw_rows(
     for warper in warpers:
         scores = warper(None, scores)
     probs = torch.softmax(scores, dim=-1)
-    uniforms = torch.stack([torch.rand((), generator=g, device=probs.device) for g in generators])
+    # The rows' generators live on the CPU whatever the device: a GPU draws the same uniforms as a CPU for a seed,
+    # and one copy to the device replaces a kernel launch per row.
+    uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device, non_blocking=True)
     cdf = probs.cumsum(dim=-1)
     _check_finite(cdf[:, -1])  # one check a step: finite mass means finite logits, hence finite log-probs
     # right=True: the first token whose cumulative mass exceeds u, so a zero-probability token
@@ -173,7 +176,7 @@ class GenerationJob:
         if row_seeds is not None and len(row_seeds) != len(prompts):
             raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts")
         self.rows = [
-            _Row(torch.Generator(device=device).manual_seed(
+            _Row(torch.Generator().manual_seed(
                      row_seeds[i] if row_seeds is not None else row_seed(seed, first_index + i)), list(prompt),
                  session=sessions[i] if sessions is not None and store is not None else None)
             for i, prompt in enumerate(prompts)
@@ -328,6 +331,7 @@ class TransformersEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
         self.adapter_of = adapter_of  # policy -> peft adapter name, for batches that mix policies
         self.sessions = KVSessionStore(max_session_bytes)  # conversations' caches kept between turns
+        self.graphs = graphed_decoder(model, self.device)  # decode steps replayed from CUDA graphs (None on a CPU)
         self.batcher = Batcher(self)
 
     @property

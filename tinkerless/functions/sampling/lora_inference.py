@@ -70,11 +70,12 @@ class _Views:
     computes as peft does: transposed views of its weights, valid while the layer holds the same parameters in
     the same storage under the same scaling."""
 
-    __slots__ = ("weight", "weight_ptr", "bias", "bias_ptr", "lora_a", "a_ptr", "lora_b", "b_ptr", "scale", "dtype",
-                 "weight_t", "a_t", "b_t", "dropout", "copied", "a_version", "b_version")
+    __slots__ = ("name", "weight", "weight_ptr", "bias", "bias_ptr", "lora_a", "a_ptr", "lora_b", "b_ptr", "scale",
+                 "dtype", "weight_t", "a_t", "b_t", "dropout", "copied", "a_version", "b_version")
 
-    def __init__(self, base: nn.Linear, lora_a: nn.Linear | None, lora_b: nn.Linear | None, scaling: float,
+    def __init__(self, name: str, base: nn.Linear, lora_a: nn.Linear | None, lora_b: nn.Linear | None, scaling: float,
                  dropout: bool) -> None:
+        self.name = name
         self.weight, self.bias = base._parameters["weight"], base._parameters.get("bias")
         self.weight_ptr = self.weight.data_ptr()
         self.bias_ptr = self.bias.data_ptr() if self.bias is not None else 0
@@ -87,7 +88,8 @@ class _Views:
         # fp32 adapters on a bf16 base (functions/precision.py): the short path samples from a copy in the base's
         # dtype instead of letting peft cast every input and output, in every layer, every step. A copy does not
         # see in-place writes the way a view does: the parameters' version counters (bumped by every in-place
-        # write, optimizer steps and loads included) say when it is stale.
+        # write, optimizer steps and loads included) say when it is stale, and it is refreshed in place (a CUDA
+        # graph captured over it keeps reading the same storage: `graphed_decode`).
         self.copied = lora_a is not None and self.lora_a.dtype != self.dtype
         self.a_version = self.lora_a._version if lora_a is not None else 0
         self.b_version = self.lora_b._version if lora_b is not None else 0
@@ -119,8 +121,15 @@ class _Views:
                 and lora_a._parameters["weight"] is self.lora_a and self.lora_a.data_ptr() == self.a_ptr
                 and lora_b._parameters["weight"] is self.lora_b and self.lora_b.data_ptr() == self.b_ptr
                 and layer.scaling.get(name) == self.scale
-                and (not self.copied or (self.lora_a._version == self.a_version
-                                         and self.lora_b._version == self.b_version)))
+                and (not self.copied or self._fresh()))
+
+    def _fresh(self) -> bool:
+        """Refresh the sampling copies in place if an in-place write moved the weights since (always True)."""
+        if self.lora_a._version != self.a_version or self.lora_b._version != self.b_version:
+            self.a_t.t().copy_(self.lora_a.detach())
+            self.b_t.t().copy_(self.lora_b.detach())
+            self.a_version, self.b_version = self.lora_a._version, self.lora_b._version
+        return True
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -167,7 +176,7 @@ def _build_views(self, name: str) -> _Views | None:
     if type(base) is not nn.Linear:
         return None
     if name == "" or name not in self.lora_A:  # peft skips an active adapter that does not adapt this layer
-        views = _Views(base, None, None, 1.0, dropout=False)
+        views = _Views(name, base, None, None, 1.0, dropout=False)
     else:
         lora_a, lora_b = self.lora_A[name], self.lora_B[name]
         if name in self.lora_variant or type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear:
@@ -175,9 +184,19 @@ def _build_views(self, name: str) -> _Views | None:
         if lora_a.bias is not None or lora_b.bias is not None or not lora_a.weight.is_floating_point():
             return None
         dropout = not isinstance(self.lora_dropout[name], nn.Identity)
-        views = _Views(base, lora_a, lora_b, self.scaling[name], dropout)
+        views = _Views(name, base, lora_a, lora_b, self.scaling[name], dropout)
     known = self.__dict__[_VIEWS]
     for gone in [n for n in known if n and n not in self.lora_A]:  # adapters deleted without `forget`
         del known[gone]
     known[name] = views
     return views
+
+
+def views_of(layer: nn.Module, adapter: str) -> _Views | None:
+    """The short path's operands `layer` samples `adapter` with ("__base__": adapters off), if it built them."""
+    return getattr(layer, _VIEWS, {}).get("" if adapter == "__base__" else adapter)
+
+
+def views_current(layer: nn.Module, views: _Views) -> bool:
+    """`views` are still the ones `layer` samples with, and valid (sampling copies refreshed in place if stale)."""
+    return layer.__dict__[_VIEWS].get(views.name) is views and views.current(layer, views.name)

@@ -67,10 +67,15 @@ def gpu_activation_budget(device: torch.device) -> int:
     """A share of the GPU memory this process may still take: the device's free memory, or less under a cap set
     with `torch.cuda.set_per_process_memory_fraction` (a 24 GB card's worth on an 80 GB one), whichever is
     smaller. So the same run cuts smaller micro-batches (and recomputes more) on a smaller card."""
+    return max(MIN_ACTIVATION_MB * 2**20, int(GPU_FREE_SHARE * gpu_available_bytes(device)))
+
+
+def gpu_available_bytes(device: torch.device) -> int:
+    """GPU memory this process may still take: the device's free memory, or less under a cap set with
+    `torch.cuda.set_per_process_memory_fraction`, plus what torch has reserved but does not use."""
     free, total = torch.cuda.mem_get_info(device)
     capped = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
-    available = max(0, min(free, capped) + _reusable(device))
-    return max(MIN_ACTIVATION_MB * 2**20, int(GPU_FREE_SHARE * available))
+    return max(0, int(min(free, capped)) + _reusable(device))
 
 
 def _reusable(device: torch.device) -> int:
