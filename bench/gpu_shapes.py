@@ -153,10 +153,12 @@ def tinkerless_figures(model_dir: str, shape: str, args, update_batch: int) -> l
     worker.create_policy(CreatePolicyRequest("bench", LoraConfig(rank=16)))
     prompts = _prompts(args)
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, stop_token_ids=[])
-    worker.engine.generate(prompts[:2], SamplingParams(max_tokens=4, stop_token_ids=[]), policy="bench", seed=0)
     base = {"shape": shape, "dtype": worker.info()["dtype"]}
     rows = []
     decoder = worker.engine.graphs  # the CUDA-graph decoder (None on a CPU or with TINKERLESS_CUDA_GRAPHS=0)
+    worker.engine.graphs = None  # warm-up of the eager kernels at the measured batch (cuBLAS picks per shape)
+    worker.engine.generate(prompts, SamplingParams(max_tokens=8, stop_token_ids=[]), policy="bench", seed=0)
+    worker.engine.graphs = decoder
     if decoder is not None:  # the same worker decoding eagerly: the in-run "before" of the graphs
         worker.engine.graphs = None
         eager, eager_s, eager_peak = _timed(
@@ -223,7 +225,7 @@ def exactness(model_dir: str, shape: str, args, update_batch: int) -> list[dict]
     worker.create_policy(CreatePolicyRequest("bench", LoraConfig(rank=16, seed=1)))
     with torch.no_grad():
         for p in worker.policies["bench"].params:
-            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(1))
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.02)
     decoder, prompts, rows = worker.engine.graphs, _prompts(args), []
     if decoder is None:
         return [{"shape": shape, "dtype": "fp32", "what": "graphs vs eager", "skipped": "no graphed decoder here"}]

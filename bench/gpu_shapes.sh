@@ -17,4 +17,4 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
   python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 } 2>&1 | tee "$OUT/versions.txt"
 timeout "${SHAPES_TIMEOUT:-540}" python3 bench/gpu_shapes.py --shapes "${SHAPES:-135M,1.7B,8B}" \
-  --out "$OUT/gpu_shapes.jsonl" 2>&1 | grep -v "Loading weights\|Writing model" | tee "$OUT/gpu_shapes.log" | tail -40
+  --out "$OUT/gpu_shapes.jsonl" ${EXTRA:-} 2>&1 | grep -v "Loading weights\|Writing model" | tee "$OUT/gpu_shapes.log" | tail -40

@@ -246,6 +246,8 @@ class GraphedDecoder:
         """Drop the pool and every graph (their memory goes back to the allocator)."""
         self.pool = None
         self._graphs.clear()
+        if self.capture:  # a pool id whose graphs are all gone cannot take new captures: the next pool gets its own
+            self._memory_pool = torch.cuda.graph_pool_handle()
 
     # -- the pool and the graphs -------------------------------------------------------
 

@@ -25,7 +25,7 @@ from tinkerless.errors import ConfigError
 # layers instead; $TINKERLESS_ACTIVATION_MB overrides it (a GPU with room to spare trains faster with a
 # larger budget: fewer, larger matmuls). Measured peaks: BENCHMARKS.md, "Training memory". On a GPU the
 # budget is a share of the memory still free to this process (`gpu_activation_budget`), at most the figure here.
-DEFAULT_ACTIVATION_MB = {"cpu": 1024, "cuda": 8192}
+DEFAULT_ACTIVATION_MB = {"cpu": 1024, "cuda": 65536}
 # What share of the free GPU memory activations may take: the rest holds the logits of the micro-batch,
 # gradients, the optimizer's step and the allocator's fragmentation.
 GPU_FREE_SHARE = 0.4
