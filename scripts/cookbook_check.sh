@@ -6,10 +6,13 @@
 # server runs from .venv (run scripts/install.sh first). Usage:
 #   bash scripts/cookbook_check.sh [N_CONVERSATIONS]   # the supervised trainer (sl_basic's)
 #   bash scripts/cookbook_check.sh rl [ITERATIONS]     # the RL trainer (rl.train.main), 8 groups x 4
+#   bash scripts/cookbook_check.sh rl-async [ITERATIONS]   # the same in the cookbook's async mode (1 step off policy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=sl
+ASYNC=0
 if [ "${1:-}" = "rl" ]; then MODE=rl; shift; fi
+if [ "${1:-}" = "rl-async" ]; then MODE=rl; ASYNC=1; shift; fi
 N="${1:-32}"
 if [ ! -x .venv-cookbook/bin/python ]; then
   python3 -m venv .venv-cookbook
@@ -28,7 +31,7 @@ if [ "$MODE" = rl ]; then
   # The client names the model by its Hub id and loads the tokenizer from the HF cache (install.sh fills it).
   TINKER_TELEMETRY=0 TINKER_BASE_URL="http://127.0.0.1:$PORT" TINKER_API_KEY="$KEY" HF_HUB_OFFLINE=1 \
     .venv-cookbook/bin/python examples/tinker_cookbook/rl_arithmetic.py HuggingFaceTB/SmolLM2-135M-Instruct \
-    "$WORK/run" --iterations "${1:-2}"
+    "$WORK/run" --iterations "${1:-2}" --async-off-policy "$ASYNC"
 else
   TINKER_TELEMETRY=0 TINKER_BASE_URL="http://127.0.0.1:$PORT" TINKER_API_KEY="$KEY" \
     .venv-cookbook/bin/python examples/tinker_cookbook/sl_conversations.py "$MODEL" "$WORK/run" "$N"

@@ -111,6 +111,11 @@ class StorageConfigError(StorageError, ConfigError):
     """The storage location cannot be used as configured: missing credentials, no such bucket, access denied."""
 
 
+class RankFailed(TinkerlessError):
+    """A rank of a sharded update died or failed alone mid-call: the call did not complete, and the ranks restart
+    on the next call with every policy at its last saved version (`functions/sharding`)."""
+
+
 class RemoteError(TinkerlessError):
     """An error reported by a remote function, re-raised on the client."""
 

@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--async-off-policy", type=int, default=0,
+                        help="the cookbook's async mode: sample while training, at most N steps off policy (0: off)")
     args = parser.parse_args()
     model, log_dir = args.model, args.log_dir
     iterations, groups, group_size, max_tokens = args.iterations, args.groups, args.group_size, args.max_tokens
@@ -56,6 +58,8 @@ def main() -> None:
         save_every=0,
         num_groups_to_log=0,  # the rollout transcripts are client-side work that is not the server's to measure
         base_url=os.environ.get("TINKER_BASE_URL"),
+        async_config=train.AsyncConfig(max_steps_off_policy=args.async_off_policy, groups_per_batch=groups)
+        if args.async_off_policy else None,
     )
     asyncio.run(train.main(config))
     metrics = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]

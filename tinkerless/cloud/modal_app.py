@@ -79,10 +79,23 @@ class _WorkerHost:
     def load(self) -> None:
         from tinkerless.functions.worker import Worker
 
-        self.worker = Worker(self.model, **json.loads(self.options))
+        options = json.loads(self.options)
+        ranks = options.pop("ranks", 1)
+        if ranks > 1:  # a class with several GPUs: one rank each, the model sharded over them (FSDP2)
+            from tinkerless.functions.sharding.group import ShardedWorker
+
+            self.worker = ShardedWorker(self.model, world_size=ranks, **options)
+        else:
+            self.worker = Worker(self.model, **options)
         commit, reload = volume_hooks(self.volume)
         root = Path(self.state_dir) / "adapters" / model_key(self.model)
         self.store = AdapterStore(root, commit=commit, reload=reload, keep=self.keep_versions)
+
+    @modal.exit()
+    def unload(self) -> None:
+        close = getattr(self.worker, "close", None)  # a sharded worker's ranks
+        if close is not None:
+            close()
 
     @modal.method()
     def call(self, method: str, payload: bytes, versions: dict[str, int]) -> tuple[bytes, float]:

@@ -53,6 +53,15 @@ def role_for(method: str) -> str:
     return _READER_ROLES.get(method, "update")
 
 
+def role_options(role: str, spec: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """One role's Worker options: a class with several GPUs runs the update and forward functions as that many
+    ranks (`functions/sharding`), and samples with vLLM's tensor parallelism over them."""
+    count = spec.gpu_count if spec.gpu else 1
+    if count == 1:
+        return dict(options)
+    return {**options, ("tensor_parallel_size" if role == "rollout" else "ranks"): count}
+
+
 def chunk_seed(seed: int, index: int) -> int:
     """Seed of fan-out chunk `index`; chunk 0 keeps the request's own seed."""
     return (seed + index * 1_000_033) % (2**31 - 1)
@@ -114,12 +123,14 @@ class ModalBackend:
         )
         params = {
             "model": model,
-            "options": json.dumps(worker_options, sort_keys=True),
             "volume": config.volume_name if volume is None else volume,
             "state_dir": state_dir,
             "keep_versions": config.keep_versions,
         }
-        self._objects = {role: classes[role](**params) for role in GPU_ROLES}
+        self._objects = {
+            role: classes[role](**params, options=json.dumps(role_options(role, specs[role], worker_options), sort_keys=True))
+            for role in GPU_ROLES
+        }
         self._versions: dict[str, int] = {}
         self._lock = threading.Lock()
         self._on_close = on_close
@@ -229,6 +240,9 @@ def make_modal_backend(model: str, *, config: ModalConfig | None = None, **worke
     from tinkerless.cloud.modal_app import build_app
 
     config = config if config is not None else ModalConfig.from_env()
+    from tinkerless.cloud.preflight import check_modal
+
+    check_modal(model, config, engine=worker_options.get("engine", "auto"), dtype=worker_options.get("dtype", "auto"))
     built = build_app(config)
     stack = contextlib.ExitStack()
     try:
@@ -243,4 +257,4 @@ def make_modal_backend(model: str, *, config: ModalConfig | None = None, **worke
     return backend
 
 
-__all__ = ["ModalBackend", "chunk_seed", "make_modal_backend", "merge_rollout_replies", "role_for", "split_rollout"]
+__all__ = ["ModalBackend", "chunk_seed", "role_options", "make_modal_backend", "merge_rollout_replies", "role_for", "split_rollout"]

@@ -29,7 +29,7 @@ GPU_TYPES = (
     "T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB",
     "RTX-PRO-6000", "H100", "H100!", "H200", "B200", "B200+",
 )  # fmt: skip
-_MAX_GPUS = {"A10": 4, "A10G": 4}  # every other type goes up to 8 per container
+_MAX_GPUS = {"A10": 4, "A10G": 4}  # every other type goes up to 8 per container (Modal's per-type maximum)
 MAX_TIMEOUT = 24 * 3600  # Modal's per-call limit
 GPU_ROLES = ("rollout", "forward", "update")
 ROLES = (*GPU_ROLES, "coordinator")
@@ -55,6 +55,18 @@ class ClassSpec:
     scaledown_window: int = 300  # seconds an idle container waits before it stops
     cpu: float | None = None  # cores; None = Modal's default
     memory: int | None = None  # MiB; None = Modal's default
+
+    def __post_init__(self) -> None:
+        # "H100:4", Modal's own way of asking for several GPUs, is gpu="H100", gpu_count=4.
+        if isinstance(self.gpu, str) and ":" in self.gpu:
+            kind, _, count = self.gpu.partition(":")
+            if not count.strip().isdigit():
+                raise ConfigError(f"gpu={self.gpu!r}: the count after ':' must be a whole number", hint="e.g. 'H100:4'")
+            if self.gpu_count not in (1, int(count)):
+                raise ConfigError(f"gpu={self.gpu!r} and gpu_count={self.gpu_count!r} disagree",
+                                  hint="give the count once: gpu='H100:4', or gpu='H100' with gpu_count=4")  # fmt: skip
+            object.__setattr__(self, "gpu", kind.strip())
+            object.__setattr__(self, "gpu_count", int(count))
 
     def gpu_request(self) -> str | None:
         """Modal's GPU string: "H100", "H100:2", or None."""
@@ -88,7 +100,8 @@ class ClassSpec:
             )
         limit = _MAX_GPUS.get(self.gpu or "", 8)
         if not _is_int(self.gpu_count) or not 1 <= self.gpu_count <= limit:
-            raise ConfigError(f"{where}: gpu_count must be 1..{limit} for {self.gpu}, got {self.gpu_count!r}")
+            raise ConfigError(f"{where}: gpu_count must be 1..{limit} for {self.gpu}, got {self.gpu_count!r}",
+                              hint=f"Modal gives a container at most {limit} {self.gpu} GPUs")  # fmt: skip
         if not _is_int(self.timeout) or not 10 <= self.timeout <= MAX_TIMEOUT:
             raise ConfigError(f"{where}: timeout must be 10..{MAX_TIMEOUT} seconds, got {self.timeout!r}")
         if not _is_int(self.retries) or not 0 <= self.retries <= 10:

@@ -47,7 +47,13 @@ def run_on_modal(config: Any, classes: dict, settings: ModalConfig, *, run_id: s
     from tinkerless.sdk.run.metrics import MetricsWriter, plot_metrics
 
     config.validate()
-    shipped = ship_config(config)
+    from tinkerless.cloud.preflight import check_modal
+
+    # Before the coordinator starts (and bills): every GPU role can hold the model (docs/scaling.md).
+    check_modal(config.model, settings, engine=config.engine, dtype=config.dtype, lora_rank=config.lora_rank,
+                tokens=min(config.max_episode_tokens, config.max_tokens * config.turn_limit()))
+    # Trackers log from here, after the run, from the metrics it returns: no tracker credentials go to Modal.
+    shipped = ship_config(config.replace(report_to=[]))
     # The id is fixed here, before the call, so a retried coordinator resumes this run instead of starting another.
     run_id = run_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16**4):04x}"
     print(f"run {run_id}: training on Modal\n{settings.describe()}", flush=True)
@@ -63,8 +69,7 @@ def run_on_modal(config: Any, classes: dict, settings: ModalConfig, *, run_id: s
     writer = MetricsWriter(metrics)
     for record in result["metrics"]:
         writer.log(record)
-    if result["metrics"]:
-        plot_metrics(metrics, local / "metrics.png", title=run_id)
+    plot = plot_metrics(metrics, local / "metrics.png", title=run_id) if result["metrics"] else None
     remote_dir = result["run_dir"]
     if remote_dir.startswith(VOLUME_MOUNT + "/"):  # `volume get` writes a folder into an existing local folder
         where = remote_dir[len(VOLUME_MOUNT) + 1 :]
@@ -75,6 +80,11 @@ def run_on_modal(config: Any, classes: dict, settings: ModalConfig, *, run_id: s
 
     usage = result.get("usage") or {}
     cost = usage.get("cost_usd")
+    from tinkerless.sdk.run.metrics import reward_summary
+    from tinkerless.sdk.tracking.runs import report_modal_run
+
+    report_modal_run(config.report_to, config=config, run_id=run_id, run_dir=local, records=result["metrics"],
+                     summary={**reward_summary(result["metrics"]), "usage": usage}, plot=plot and Path(plot))
     print(
         f"run {run_id} {'resumed and ' if result['resumed'] else ''}finished on Modal; last checkpoint "
         f"step-{result['last_checkpoint_step']}\n  metrics: {metrics}\n"

@@ -139,9 +139,10 @@ def make_sky_backend(
     else:
         _require_enabled_infra(sky, name, opts.infra)  # no key file, no launch, when nothing can start
         keys = [opts.api_key or new_api_key()]
+        task = _task(model, gpu, opts, keys[0])  # refuses GPUs the model cannot fit, before a key or a launch
         save_key(name, keys[0])  # before launching: a launch that is interrupted still leaves a reusable cluster
         try:
-            _launch(sky, _task(model, gpu, opts, keys[0]), name, opts)
+            _launch(sky, task, name, opts)
         except BaseException:
             if not _cluster_exists(sky, name):  # nothing was provisioned: the key opens nothing
                 key_file(name).unlink(missing_ok=True)
@@ -304,6 +305,12 @@ def _task(model: str, gpu: str | None, opts: SkyOptions, key: str) -> Any:
     config = task_config(
         opts.yaml or task_path("train"), envs=envs, accelerators=gpu, port=opts.port, infra=opts.infra, workdir=opts.workdir
     )
+    from tinkerless.cloud.preflight import check_sky
+
+    # The memory preflight (docs/scaling.md): GPU options that cannot hold the model are dropped, none is an error.
+    resources = config["resources"]
+    if resources.get("accelerators") is not None:
+        resources["accelerators"] = check_sky(model, resources["accelerators"], dtype=opts.envs.get("DTYPE", "auto"))
     return build_task(config, secrets={KEY_ENV: key})
 
 

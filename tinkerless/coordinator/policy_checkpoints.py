@@ -33,6 +33,9 @@ def save_policies(
     return checkpoints.save(step, everything, {**metadata, "policy_versions": versions})
 
 
+# Where a checkpoint keeps the older policy versions an async run's next steps sample from (sdk/run/pipeline.py).
+READERS_PREFIX = "readers/"
+
 def restore_policies(
     checkpoints: CheckpointStore,
     policies: list[CheckpointPolicy],
@@ -61,6 +64,8 @@ def restore_policies(
     by_prefix = sorted(policies, key=lambda p: len(p.file_prefix), reverse=True)
     claimed: dict[str, dict[str, bytes]] = {p.name: {} for p in policies}
     for key, data in files.items():
+        if key.startswith(READERS_PREFIX) and not any(p.file_prefix.startswith(READERS_PREFIX) for p in policies):
+            continue  # an async run's older versions: only a restore that asks for them takes them
         owner = next((p for p in by_prefix if key.startswith(p.file_prefix)), None)
         if owner is not None:
             claimed[owner.name][key[len(owner.file_prefix):]] = data

@@ -7,6 +7,8 @@
   them; the vLLM engine's adapter directories);
 - `sampling/`: the sampler (engines, continuous batching, KV caches, the LoRA fast path);
 - `training/`: log-probs and gradients in bounded memory; `losses`: the RL and SFT losses;
+- `sharding/`: the update over the GPUs of one machine (N ranks, FSDP2), behind the Worker's call surface;
+  `memory_plan`: what a model's update and sampler need per GPU (`scaling_table`: docs/scaling.md's table);
 - `rollout/`: a rollout request served (`requests`: its episode loop and the code its client shipped), the
   episode loops, single- and multi-agent, and chat formatting in token space;
 - `hosting/`: users' env, reward and agent code next to the model, behind the sandbox;

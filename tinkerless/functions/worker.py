@@ -29,7 +29,8 @@ from tinkerless.functions.policies import Policy, PolicyAdapters
 from tinkerless.functions.training import forward_backward as training
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.sampling.engine import TransformersEngine
-from tinkerless.functions.training.policy_state import check_weights_fit, parse_policy_state
+from tinkerless.functions.training.policy_state import (ADAPTER_CONFIG, canonical_adapter_config, check_weights_fit,
+                                                      parse_policy_state)
 from tinkerless.functions.precision import dtype_name, resolve_dtype
 from tinkerless.functions.models import load_model, resolve_model
 from tinkerless.functions.threads import apply_threads, choose_threads
@@ -81,9 +82,22 @@ _REQUEST_TYPES = {
 }
 
 
+
+def error_reply(exc: Exception) -> ErrorReply:
+    """The structured reply for a call that raised `exc` (call inside the `except` block: it keeps the traceback)."""
+    return ErrorReply(
+        error=getattr(exc, "message", str(exc)),
+        category=exc.category if isinstance(exc, TinkerlessError) else "server",
+        type=type(exc).__name__,
+        traceback=traceback.format_exc(),
+        hint=getattr(exc, "hint", None),
+    )
+
 class Worker:
     METHODS = ("info", *_REQUEST_TYPES)
     MODEL_FREE_METHODS = ("info",)  # read no model state: a server answers them without queueing
+    # A rank of a sharded update (`functions/sharding`) runs its share of each batch: {"rank", "world_size", ...}.
+    rank_args: dict[str, Any] = {}
 
     def __init__(
         self,
@@ -96,17 +110,24 @@ class Worker:
         threads: int | None = None,
         user_code_hosts: Any = None,
         dtype: str = "auto",
+        tensor_parallel_size: int = 1,
     ):
         """`user_code_hosts` (a `tinkerless.functions.hosting.user_code.UserCodeHosts`): run the env/reward/agent code
         clients ship in each tenant's sandboxed process instead of unpickling it here (a shared server).
-        `dtype`: the base weights' precision (`precision.py`: auto, bf16 or fp32; adapters stay fp32)."""
+        `dtype`: the base weights' precision (`precision.py`: auto, bf16 or fp32; adapters stay fp32).
+        `tensor_parallel_size`: the vLLM engine samples over that many GPUs (this copy, for adapters, stays on the CPU)."""
+        from tinkerless.functions.memory_plan import load_device
+
         self.model_name = model
         # Before any torch work: the default thread count oversubscribes a loaded or restricted CPU.
         self.threads = choose_threads(threads)
         apply_threads(self.threads)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device)
-        self.base_model, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device)
+        self.tensor_parallel_size = tensor_parallel_size
+        # Refuses a model this GPU cannot hold before loading it, naming the fix.
+        where = load_device(model, self.device, dtype_name(self.dtype), engine, tensor_parallel_size)
+        self.base_model, self.tokenizer = load_model(model, dtype=self.dtype, device=where)
         self.chat = ChatFormat(self.tokenizer, self.base_model.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.micro_batch_size = micro_batch_size
@@ -139,12 +160,14 @@ class Worker:
 
     def _make_engine(self, engine: str, max_batch_size: int):
         """transformers everywhere; vLLM (sampling from hot-loaded LoRA adapters) when it and a GPU are present."""
+        from tinkerless.functions.memory_plan import vllm_parallel
         from tinkerless.functions.sampling.vllm_engine import VLLMEngine, vllm_available
 
         if engine not in ("auto", "transformers", "vllm"):
             raise ConfigError(f"unknown engine {engine!r}", hint="engine='auto', 'transformers' or 'vllm'")
         if engine == "vllm" or (engine == "auto" and vllm_available()):
-            return VLLMEngine(resolve_model(self.model_name), self._adapter_snapshot)
+            parallel = vllm_parallel(self.tensor_parallel_size)
+            return VLLMEngine(resolve_model(self.model_name), self._adapter_snapshot, **parallel)
         return TransformersEngine(
             self.base_model, self.tokenizer, self.chat.eos_token_ids, self._activate, max_batch_size=max_batch_size,
             adapter_of=self.adapters.adapter_name,
@@ -173,16 +196,7 @@ class Worker:
                 validate(request, vocab_size=self.vocab_size)
             return encode_message(getattr(self, method)(request))
         except Exception as exc:  # every failure becomes a structured reply, never a dropped connection
-            category = exc.category if isinstance(exc, TinkerlessError) else "server"
-            return encode_message(
-                ErrorReply(
-                    error=getattr(exc, "message", str(exc)),
-                    category=category,
-                    type=type(exc).__name__,
-                    traceback=traceback.format_exc(),
-                    hint=getattr(exc, "hint", None),
-                )
-            )
+            return encode_message(error_reply(exc))
 
     # ---- policies ------------------------------------------------------------
     def info(self, _request: Any = None) -> dict:
@@ -295,11 +309,11 @@ class Worker:
     # ---- forward / update ------------------------------------------------------
     def forward(self, request: ForwardRequest) -> ForwardResult:
         with self._activate(request.policy):
-            logprobs = training.forward(self.model, request.data, self.pad_id, self.micro_batch_size)
+            logprobs = training.forward(self.model, request.data, self.pad_id, self.micro_batch_size, **self.rank_args)
         ref = None
         if request.with_reference:
             with self._activate(BASE_POLICY):
-                ref = training.forward(self.model, request.data, self.pad_id, self.micro_batch_size)
+                ref = training.forward(self.model, request.data, self.pad_id, self.micro_batch_size, **self.rank_args)
         return ForwardResult(logprobs, ref)
 
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
@@ -307,7 +321,7 @@ class Worker:
             raise UserError("forward_backward got an empty batch", hint="send at least one datum")
         with self._activate(request.policy):
             metrics, logprobs = training.forward_backward(
-                self.model, request.data, request.loss, self.pad_id, self.micro_batch_size
+                self.model, request.data, request.loss, self.pad_id, self.micro_batch_size, **self.rank_args
             )
         return ForwardBackwardResult(metrics, logprobs)
 
@@ -317,7 +331,7 @@ class Worker:
         for group in policy.optimizer.param_groups:
             group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
         grads = [p.grad for p in policy.params if p.grad is not None]
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        grad_norm = training.gradient_norm(grads) if grads else 0.0
         # A NaN or inf gradient would make every weight NaN and every later sample garbage: the step is skipped
         # (as a loss scaler skips it), the version still counts, and the metrics say so.
         skipped = not math.isfinite(grad_norm)
@@ -345,7 +359,9 @@ class Worker:
         with tempfile.TemporaryDirectory() as tmp:
             # save_embedding_layers=False: a LoRA on a tied lm_head must not drag the frozen embedding
             # matrix (113 MB on SmolLM2) into every adapter file; only the LoRA weights change.
-            self.model.save_pretrained(tmp, selected_adapters=[request.policy], save_embedding_layers=False)
+            weights = self._adapter_weights(request.policy)
+            self.model.save_pretrained(tmp, selected_adapters=[request.policy], save_embedding_layers=False,
+                                       **({} if weights is None else {"state_dict": weights}))
             # PEFT writes the adapter named "default" at the root and any other name in a subfolder.
             root = tmp if request.policy == "default" else os.path.join(tmp, request.policy)
             for name in sorted(os.listdir(root)):
@@ -353,9 +369,10 @@ class Worker:
                 if os.path.isfile(path):
                     with open(path, "rb") as f:
                         files[f"adapter/{name}"] = f.read()
+        files[ADAPTER_CONFIG] = canonical_adapter_config(files[ADAPTER_CONFIG])
         if request.include_optimizer:
             buffer = io.BytesIO()
-            torch.save(policy.optimizer.state_dict(), buffer)
+            torch.save(self._optimizer_state(policy), buffer)
             files["optimizer.pt"] = buffer.getvalue()
         buffer = io.BytesIO()
         torch.save({"torch": torch.get_rng_state(), "version": policy.version}, buffer)
@@ -378,7 +395,7 @@ class Worker:
             optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
             if parsed.optimizer is not None:
                 try:
-                    optimizer.load_state_dict(parsed.optimizer)
+                    optimizer.load_state_dict(self._optimizer_state_to_load(policy, parsed.optimizer))
                 except (ValueError, KeyError, TypeError, RuntimeError) as exc:
                     raise UserError(
                         f"policy state for {state.policy!r}: optimizer.pt does not fit this adapter ({exc})",
@@ -388,7 +405,7 @@ class Worker:
             if created:
                 self.drop_policy(state.policy)
             raise
-        set_peft_model_state_dict(self.model, parsed.weights, adapter_name=state.policy)
+        set_peft_model_state_dict(self.model, self._weights_to_load(parsed.weights), adapter_name=state.policy)
         # The loaded state replaces the policy's whole training state: moments from before the load
         # belong to other weights, so the optimizer starts fresh unless the state carries its own.
         policy.optimizer = optimizer
@@ -399,3 +416,16 @@ class Worker:
         policy.version = state.policy_version
         self._forget_snapshots(state.policy)
         return {"policy": state.policy, "policy_version": policy.version}
+
+    # What a sharded rank (`functions/sharding/rank.py`) replaces: full tensors out, its shards in.
+    def _adapter_weights(self, name: str) -> dict[str, torch.Tensor] | None:
+        return None  # peft reads them off the model
+
+    def _optimizer_state(self, policy: Policy) -> dict:
+        return policy.optimizer.state_dict()
+
+    def _weights_to_load(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return weights
+
+    def _optimizer_state_to_load(self, policy: Policy, state: dict) -> dict:
+        return state

@@ -7,6 +7,7 @@
   `tinkerless serve`, Modal and SkyPilot by name), `TrainingClient`, and where a run's state lives (`run_host`);
 - `sft/`: supervised fine-tuning; `evaluation/`: eval, pass@k, an agent against any endpoint;
 - `checkpoints/`: naming a saved policy, exporting it, warm-starting from it;
+- `tracking/`: W&B, TensorBoard and MLflow (`report_to`), fed from this process;
 - `cli/`: the `tinkerless` command.
 The decorators users write (`@env`, `@reward`, `@agent`) are `tinkerless.envs.decorators`.
 """

@@ -16,6 +16,7 @@ from tinkerless.envs.base import is_multi_agent
 from tinkerless.sdk.run.accounting import PriceTable
 from tinkerless.sdk.run.advantages import AdvantageConfig
 from tinkerless.sdk.run.agents import check_roles, seatings, trainable_policies
+from tinkerless.sdk.tracking.base import check_report_to
 
 # algo -> (advantage estimator, default loss normalization)
 ALGORITHMS = {
@@ -79,6 +80,8 @@ class TrainConfig:
     engine: str = "auto"  # auto | transformers | vllm (auto picks vLLM when it and a GPU are present)
     dtype: str = "auto"  # base weights: auto (bf16 on a GPU that supports it, else fp32) | bf16 | fp32
     threads: int | None = None  # local CPU threads; None: OMP_NUM_THREADS, else free usable cores (docs/threads.md)
+    rollout_workers: int = 0  # local backend: sample in this many processes of their own beside the writer (docs/async.md)
+    max_staleness: int = 0  # k: step s samples from policy version max(0, s-k) while earlier updates run; 0: synchronous
     storage: str = "."
     # fsspec options for `storage`, e.g. {"client_kwargs": {"endpoint_url": "https://<acct>.r2.cloudflarestorage.com"}};
     # kept out of the saved run state, since they may hold credentials.
@@ -97,6 +100,8 @@ class TrainConfig:
     # held-out evaluation while training (docs/eval.md)
     eval_every: int | None = None  # every N steps, from step 0: play eval_tasks with the current policy (no training); None: never
     eval_tasks: Any = None  # held-out tasks for eval_every and `tinkerless eval` (the forms of tasks); episodes per task: group_size
+    # experiment trackers
+    report_to: list[str] = dataclasses.field(default_factory=list)  # wandb | tensorboard | mlflow, logged from the client (docs/tracking.md)
 
     def validate(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -114,6 +119,14 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be an integer (at least 1), got {value!r}")
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        for name, most in (("max_staleness", 64), ("rollout_workers", 64)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= most:
+                raise ConfigError(f"{name} must be a whole number from 0 to {most}, got {value!r}",
+                                  hint="see docs/async.md: e.g. max_staleness=1 with rollout_workers=1")
+        if self.rollout_workers and self.backend != "local":
+            raise ConfigError(f"rollout_workers is a setting of the local backend, not of backend={self.backend!r}",
+                              hint="on Modal the rollout containers are the readers (ModalConfig); drop rollout_workers")
         if isinstance(self.transcripts_per_step, bool) or not isinstance(self.transcripts_per_step, int) or self.transcripts_per_step < 0:
             raise ConfigError(
                 f"transcripts_per_step must be a whole number >= 0, got {self.transcripts_per_step!r}",
@@ -149,6 +162,7 @@ class TrainConfig:
         self._validate_eval()
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", self.run_id):
             raise ConfigError(f"invalid run_id {self.run_id!r}", hint="letters, digits, '.', '_' and '-'")
+        check_report_to(self.report_to)  # a tracker that is not installed fails here, before any model loads
         self.loss_config().validate()
         self.advantage_config().validate()
         self.price_table()

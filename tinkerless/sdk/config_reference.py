@@ -84,6 +84,10 @@ FIELD_DOCS: dict[str, str] = {
     "per-turn rewards, token counts, status); 0: none.",
     "prices": "Device name -> $/hour, tried before the built-in list prices (e.g. `{'H100': 3.95}`).",
     "price_per_hour": "One flat $/hour for whatever device runs the functions (overrides `prices`).",
+    "report_to": "Experiment trackers to log the run to: any of `wandb`, `tensorboard`, `mlflow` (each an extra: "
+    "`pip install 'tinkerless[wandb]'`). Per-step metrics, the config, sample transcripts, the cost summary and the "
+    "plot go there from the client process, on every backend; a resume continues the same tracker runs, and a "
+    "tracker that fails is switched off without stopping the run (docs/tracking.md). Empty: none.",
 }
 
 

@@ -38,6 +38,7 @@ def serve(
 ) -> None:
     """Load `model` into a Worker and serve it until interrupted (binds to localhost unless told otherwise).
 
+    `gpus` > 1 (a worker option) trains over that many GPUs as FSDP2 ranks (`functions/sharding`).
     With `auth` (the default), calls need an API key issued into `storage` by `tinkerless keys create`.
     Clients' env/reward/agent code runs in a sandboxed process per tenant (`user_code.py`), never in
     this one, unless `single_user` (one's own server, e.g. `sky launch` of one's own cluster).
@@ -56,8 +57,15 @@ def serve(
         hosts = UserCodeHosts(hide=hidden)
         hosts.check()  # no sandbox here: refuse to serve tenants now, naming the fix, rather than fail their rollouts
         worker_options.setdefault("user_code_hosts", hosts)
+    gpus = worker_options.pop("gpus", 1)
+    if gpus > 1:  # training over the machine's GPUs as ranks, sampling on one (functions/sharding/split.py)
+        from tinkerless.functions.sharding.split import SplitWorker
+
+        worker: Worker = SplitWorker(model, ranks=gpus, **worker_options)
+    else:
+        worker = Worker(model, **worker_options)
     app = create_app(
-        Worker(model, **worker_options),
+        worker,
         max_request_bytes=max_request_bytes,
         max_pending=max_pending,
         max_pending_per_tenant=max_pending_per_tenant,

@@ -45,7 +45,9 @@ class VLLMEngine:
         *,
         max_lora_rank: int = 64,
         gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
     ):
+        """`tensor_parallel_size`: sample from a model split over that many GPUs (one too large for one GPU)."""
         if not vllm_available():
             raise ConfigError(
                 "the vLLM engine needs the vllm package and a CUDA GPU",
@@ -61,6 +63,7 @@ class VLLMEngine:
             max_lora_rank=max_lora_rank,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=True,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     def _lora_request(self, policy: str | None):

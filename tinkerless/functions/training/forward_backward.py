@@ -4,6 +4,12 @@ Datums are grouped by length into micro-batches sized by tokens (`micro_batches`
 right-padded; gradients accumulate across micro-batches and across calls until the
 optimizer step. Each micro-batch loss is rescaled so the sum equals the loss
 normalized over the whole batch. Results come back in the caller's order.
+
+On a sharded model (`functions/sharding`, `rank`/`world_size`) every rank gets the whole batch and runs
+every `world_size`-th micro-batch of the one plan all ranks compute alike; each micro-batch keeps its share
+of the whole batch's normalizer, so the ranks' gradients sum to the unsharded batch's. Every layer's weights
+are all-gathered in each pass, so every rank makes the same number of passes: a rank out of micro-batches
+makes an idle pass that changes nothing (`_idle_pass`).
 """
 
 from __future__ import annotations
@@ -87,17 +93,53 @@ def trained_positions(mask: torch.Tensor) -> torch.Tensor:
     return positions if len(positions) else torch.ones(1, dtype=torch.long, device=mask.device)
 
 
-def forward(model, data: list[Datum], pad_id: int, micro_batch_size: int) -> list[np.ndarray]:
+def gradient_norm(tensors: list[torch.Tensor]) -> float:
+    """The 2-norm of all of `tensors` together; sharded ones (DTensors) count every rank's part."""
+    total = torch.linalg.vector_norm(torch.stack([t.norm() for t in tensors]))
+    return float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+
+
+def rank_micro_batch_size(rows: int, micro_batch_size: int, world_size: int) -> int:
+    """Sharded, a micro-batch holds at most a rank's share of the rows, so that every rank gets work."""
+    return micro_batch_size if world_size == 1 else max(1, min(micro_batch_size, -(-rows // world_size)))
+
+
+def rank_rounds(plan: list, rank: int, world_size: int) -> list:
+    """This rank's micro-batches, one per round (None: none left): every rank runs the same number of rounds."""
+    rounds = -(-len(plan) // world_size)
+    return [plan[k * world_size + rank] if k * world_size + rank < len(plan) else None for k in range(rounds)]
+
+
+def _idle_pass(model, pad_id: int, device: torch.device, *, backward: bool) -> None:
+    """A pass over one 2-token row that changes nothing: a rank with no micro-batch left in a round still joins
+    the sharded model's collectives (each layer all-gathered, each gradient reduce-scattered, as zeros)."""
+    ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
+    logits = model(input_ids=ids, use_cache=False).logits
+    if backward:
+        (logits.float().sum() * 0.0).backward()
+
+
+def forward(
+    model, data: list[Datum], pad_id: int, micro_batch_size: int, *, rank: int = 0, world_size: int = 1,
+    token_budget: int | None = None,
+) -> list[np.ndarray | None]:
+    """Per-token log-probs of every datum (with `world_size` > 1: of this rank's datums, None for the others).
+    `token_budget`: the micro-batches' padded tokens (default: what the activation budget allows); ranks pass
+    one agreed figure, since free GPU memory, which the default follows, differs between them."""
     device = next(model.parameters()).device
     out: list[np.ndarray | None] = [None] * len(data)
-    plan = plan_micro_batches([len(d.tokens) for d in data], micro_batch_size, model)
+    micro_batch_size = rank_micro_batch_size(len(data), micro_batch_size, world_size)
+    plan = plan_micro_batches([len(d.tokens) for d in data], micro_batch_size, model, token_budget=token_budget)
     with torch.no_grad():
-        for micro in plan:
+        for micro in rank_rounds(plan, rank, world_size):
+            if micro is None:
+                _idle_pass(model, pad_id, device, backward=False)
+                continue
             batch = make_batch([data[i] for i in micro.rows], pad_id, device)
             logprobs, _ = token_logprobs(model, batch)
             for row, index in enumerate(micro.rows):
                 out[index] = logprobs[row, : batch.lengths[row]].cpu().numpy().astype(np.float32)
-    return out  # type: ignore[return-value]
+    return out
 
 
 def _normalizer(config: LossConfig, masks: list[np.ndarray]) -> float:
@@ -110,12 +152,15 @@ def _normalizer(config: LossConfig, masks: list[np.ndarray]) -> float:
 
 
 def forward_backward(
-    model, data: list[Datum], config: LossConfig, pad_id: int, micro_batch_size: int
-) -> tuple[dict[str, float], list[np.ndarray]]:
+    model, data: list[Datum], config: LossConfig, pad_id: int, micro_batch_size: int, *, rank: int = 0,
+    world_size: int = 1, token_budget: int | None = None,
+) -> tuple[dict[str, float], list[np.ndarray | None]]:
     """Accumulate gradients of the batch loss into the trainable parameters.
 
     Rows that share their untrained prompt run it once per group (`shared_prefix.py`); the rest are
     right-padded micro-batches of similar lengths. Both give the same loss up to float rounding.
+    With `world_size` > 1 (a sharded model) this rank's share of the micro-batches; the metrics are this rank's
+    part (`sharding.ranks.merge_metrics` adds the parts up) and other ranks' rows' log-probs are None.
     """
     config.validate()
     device = next(model.parameters()).device
@@ -123,7 +168,11 @@ def forward_backward(
     totals = _Totals(config, _normalizer(config, masks))
     all_logprobs: list[np.ndarray | None] = [None] * len(data)
     lengths = [len(m) for m in masks]
-    shared_plan, plain_rows = _shared_plan(model, data, masks, micro_batch_size)
+    # Sharded: no prompt sharing (a shared group's passes differ from a plain micro-batch's, and the ranks'
+    # passes must line up one for one).
+    shared_plan, plain_rows = (
+        _shared_plan(model, data, masks, micro_batch_size) if world_size == 1 else ([], list(range(len(data))))
+    )
     for shared in shared_plan:
         chunk = [data[i] for i in shared.rows]
         frame = shared_prefix.suffix_frame(shared, [d.tokens for d in data], pad_id, device)
@@ -135,13 +184,21 @@ def forward_backward(
         totals.add(share, logprobs, entropy, mask, chunk, frame.field)
         for row, index in enumerate(shared.rows):
             all_logprobs[index] = shared_prefix.full_row(logprobs[row], frame.starts[row], lengths[index])
-    for micro in plan_micro_batches([lengths[i] for i in plain_rows], micro_batch_size, model):
+    plan = []
+    micro_batch_size = rank_micro_batch_size(len(plain_rows), micro_batch_size, world_size)
+    for micro in plan_micro_batches([lengths[i] for i in plain_rows], micro_batch_size, model, token_budget=token_budget):
         rows = [plain_rows[i] for i in micro.rows]
-        share = totals.share([masks[i] for i in rows])
-        if share == 0.0 and config.normalization != "constant":
-            for i in rows:  # nothing trainable here: no forward, and no log-probs to report
+        if totals.share([masks[i] for i in rows]) == 0.0 and config.normalization != "constant":
+            for i in rows if rank == 0 else ():  # nothing trainable here: no forward, and no log-probs to report
                 all_logprobs[i] = np.zeros(len(masks[i]), dtype=np.float32)
             continue
+        plan.append((micro, rows))
+    for planned in rank_rounds(plan, rank, world_size):
+        if planned is None:
+            _idle_pass(model, pad_id, device, backward=True)
+            continue
+        micro, rows = planned
+        share = totals.share([masks[i] for i in rows])
         chunk = [data[i] for i in rows]
         batch = make_batch(chunk, pad_id, device)
         mask = batch.field([d.mask for d in chunk])
@@ -150,10 +207,10 @@ def forward_backward(
             totals.add(share, logprobs, entropy, mask, chunk, batch.field)
         for row, index in enumerate(rows):
             all_logprobs[index] = logprobs[row, : batch.lengths[row]].detach().cpu().numpy()
-    for i, value in enumerate(all_logprobs):  # rows of a shared group with nothing trainable
+    for i, value in enumerate(all_logprobs if world_size == 1 else ()):  # rows of a shared group with nothing trainable
         if value is None:
             all_logprobs[i] = np.zeros(lengths[i], dtype=np.float32)
-    return totals.metrics(), all_logprobs  # type: ignore[return-value]
+    return totals.metrics(), all_logprobs
 
 
 def _shared_plan(model, data: list[Datum], masks: list[np.ndarray], micro_batch_size: int):

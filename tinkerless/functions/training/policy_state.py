@@ -41,6 +41,16 @@ def _bad(policy: str, name: str, why: Any) -> UserError:
     return UserError(f"policy state for {policy!r}: {name} is not usable ({why})", hint=_HINT)
 
 
+def canonical_adapter_config(data: bytes) -> bytes:
+    """peft's adapter_config.json with its module lists sorted: peft writes `target_modules` from a set, in an
+    order that changes with each process's hash seed, so the same adapter would not be the same bytes twice."""
+    config = json.loads(data)
+    for key in ("target_modules", "modules_to_save", "exclude_modules"):
+        if isinstance(config.get(key), list):
+            config[key] = sorted(config[key])
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
 def parse_policy_state(policy: str, files: dict[str, bytes], include_optimizer: bool) -> ParsedState:
     from safetensors.torch import load as load_safetensors
 

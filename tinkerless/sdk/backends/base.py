@@ -14,6 +14,7 @@ import time
 from typing import Any, Protocol
 
 from tinkerless.errors import ConfigError, RemoteError, TinkerlessError, error_class_for
+from tinkerless.sdk.backends.reader_processes import CHANGING_METHODS, READ_METHODS
 from tinkerless.sdk.run.accounting import UsageMeter
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import ErrorReply
@@ -29,28 +30,129 @@ class Backend(Protocol):
 
 
 class LocalBackend:
-    """Runs the functions in-process on this machine's CPU (or GPU if present)."""
+    """Runs the functions on this machine's CPU (or GPU if present): in this process, or with
+    `rollout_workers=N` the sampling calls in N processes of their own (`reader_processes`)."""
 
     name = "local"
 
-    def __init__(self, model: str, **worker_options: Any):
+    def __init__(self, model: str, *, rollout_workers: int = 0, **worker_options: Any):
         from tinkerless.functions.worker import Worker  # torch/transformers load only when used
 
+        if not isinstance(rollout_workers, int) or isinstance(rollout_workers, bool) or not 0 <= rollout_workers <= 64:
+            raise ConfigError(f"rollout_workers={rollout_workers!r} is not a number of processes from 0 to 64",
+                              hint="0 samples in this process; 1 or more run the rollouts in worker processes")
+        self.readers: list = []
+        if rollout_workers:
+            from tinkerless.functions.threads import choose_threads
+            from tinkerless.sdk.backends.reader_processes import start_readers
+
+            # The CPU threads split between the writer and the readers, so the processes do not fight for cores.
+            total = choose_threads(worker_options.pop("threads", None)).threads
+            share = max(1, total // (rollout_workers + 1))
+            self.readers = start_readers(model, rollout_workers, {**worker_options, "threads": share})
+            worker_options["threads"] = max(1, total - share * rollout_workers)
         self.worker = Worker(model, **worker_options)
         self._lock = threading.Lock()  # one model in this process: calls from several threads take turns
         self.usage = UsageMeter(source="the in-process worker", device=self.worker.device_name)
+        self._changes: dict[str, int] = {}  # per policy: writer calls that may have changed it
+        self._published: dict[str, tuple[int, Any]] = {}  # per policy: (its change count, the state readers take)
+        self._next_reader = 0
 
     def call_bytes(self, method: str, payload: bytes) -> bytes:
+        if self.readers and method in READ_METHODS:
+            return self._read(method, payload)
         with self._lock:
             # Timed inside the lock: waiting for another thread's call is not compute.
             started = time.perf_counter()
             try:
-                return self.worker.handle(method, payload)
+                reply = self.worker.handle(method, payload)
             finally:
                 self.usage.record(method, time.perf_counter() - started)
+            if self.readers and method in CHANGING_METHODS:
+                self._changed(method, decode_message(payload), reply)
+            return reply
 
     def close(self) -> None:
-        pass
+        if self.readers:
+            from tinkerless.sdk.backends.reader_processes import stop_readers
+
+            stop_readers(self.readers)
+            self.readers = []
+
+    # -- readers in processes of their own ------------------------------------------------
+
+    def _changed(self, method: str, request: Any, reply: bytes) -> None:
+        """A writer call that may have changed a policy (under the writer's lock): readers' copies are stale. A
+        state handed over by `load_state` is published at once, with its proof, for readers to take later."""
+        from tinkerless.functions.handoff import make_proof
+        from tinkerless.sdk.backends.reader_processes import Published, changed_policy
+
+        name = changed_policy(request)
+        if name is None:
+            return
+        change = self._changes[name] = self._changes.get(name, 0) + 1
+        self._published.pop(name, None)
+        if method == "delete_policy":
+            for reader in self.readers:
+                if reader.held.pop(name, None) is not None:
+                    reader.doomed.add(name)  # freed before that reader's next call, not waiting for its current one
+        elif method == "load_state" and name in self.worker.policies and not isinstance(decode_message(reply), ErrorReply):
+            files = {k: v for k, v in request.state.files.items() if k.startswith("adapter/")}
+            version = self.worker.policies[name].version
+            proof = make_proof(self.worker, name, version, files)
+            self._published[name] = (change, Published(version, files, proof.to_bytes()))
+
+    def _read(self, method: str, payload: bytes) -> bytes:
+        from tinkerless.sdk.backends.reader_processes import policies_of
+
+        request = decode_message(payload)
+        reader = self._acquire_reader()
+        try:
+            for name in sorted(reader.doomed):
+                reader.request(("drop", name))
+            reader.doomed.clear()
+            for name in policies_of(request):
+                self._sync(reader, name)
+            started = time.perf_counter()
+            try:
+                return reader.request(("call", method, payload))
+            finally:
+                self.usage.record(method, time.perf_counter() - started)
+        finally:
+            reader.lock.release()
+
+    def _acquire_reader(self):
+        """A reader not busy, else the next in turn (waiting for it)."""
+        for reader in self.readers:
+            if reader.lock.acquire(blocking=False):
+                return reader
+        reader = self.readers[self._next_reader % len(self.readers)]
+        self._next_reader += 1
+        reader.lock.acquire()
+        return reader
+
+    def _sync(self, reader: Any, name: str) -> None:
+        """Bring `reader`'s copy of policy `name` to the writer's current state of it, proven (`handoff`)."""
+        from tinkerless.functions.handoff import make_proof
+        from tinkerless.sdk.backends.reader_processes import Published
+        from tinkerless.wire.messages import SaveStateRequest
+
+        change = self._changes.get(name)
+        if change is None or reader.held.get(name) == change:
+            return  # unknown to the writer (the reader's own error says so), or already in step
+        published = self._published.get(name)
+        if published is None or published[0] != change:
+            with self._lock:  # the writer's state now: waits for the writer's call in progress
+                change = self._changes.get(name)
+                state = self.worker.save_state(SaveStateRequest(name, include_optimizer=False))
+                files = {k: v for k, v in state.files.items() if k.startswith("adapter/")}
+                proof = make_proof(self.worker, name, state.policy_version, files)
+                published = self._published[name] = (change, Published(state.policy_version, files, proof.to_bytes()))
+        change, state = published
+        reply = decode_message(reader.request(("sync", name, state.version, state.files, state.proof)))
+        if isinstance(reply, ErrorReply):
+            raise_error_reply(reply, where=f"rollout worker {reader.process.pid} loading policy {name!r}")
+        reader.held[name] = change
 
 
 class ClientTimed:

@@ -24,6 +24,7 @@ from pathlib import Path
 from tinkerless.functions.precision import DTYPES
 from tinkerless.errors import ConfigError, TinkerlessError, UserCodeError
 from tinkerless.sdk.cli import evaluate as cli_eval, export as cli_export, sft as cli_sft
+from tinkerless.sdk.tracking.base import tracker_names
 
 
 def load_config(path: str):
@@ -88,7 +89,10 @@ _OVERRIDES = {
     "dtype": str,
     "transcripts_per_step": int,
     "threads": int,
+    "max_staleness": int,
+    "rollout_workers": int,
     "init_from": str,
+    "report_to": tracker_names,  # --report-to wandb,tensorboard (or the flag once per tracker); none: no trackers
 }
 
 _EPILOG = """\
@@ -113,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("file", help="a Python file that defines `config = tinkerless.TrainConfig(...)`")
     for name, kind in _OVERRIDES.items():
         train.add_argument(
-            f"--{name.replace('_', '-')}", type=kind, dest=name, metavar=name.upper(), help=field_help(name)
+            f"--{name.replace('_', '-')}", type=kind, dest=name, metavar=name.upper(), help=field_help(name),
+            action="extend" if kind is tracker_names else "store",
         )
     train.add_argument(
         "--resume", action="store_true",
@@ -147,6 +152,11 @@ def _parser() -> argparse.ArgumentParser:
         "--api-key-env",
         metavar="NAME",
         help="also accept the API key held in environment variable NAME (tenant 'default'); never pass keys as arguments",
+    )
+    serve.add_argument(
+        "--gpus", type=int, default=None, metavar="N",
+        help="train over N GPUs of this machine as FSDP2 ranks, sampling on one (default: 1, or torchrun's "
+        "LOCAL_WORLD_SIZE; docs/scaling.md)",
     )
 
     keys = sub.add_parser("keys", help="manage API keys of a `tinkerless serve` storage")
@@ -272,9 +282,19 @@ def _serve(args) -> int:
         max_request_bytes=args.max_request_bytes, max_pending=args.max_pending,
         max_pending_per_tenant=args.max_pending_per_tenant, slice_seconds=args.slice_seconds, single_user=args.single_user,
         limits=ServingLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServingLimits)}),
-        threads=args.threads, dtype=args.dtype,
+        threads=args.threads, dtype=args.dtype, gpus=_gpus(args),
     )
     return 0
+
+
+def _gpus(args) -> int:
+    """--gpus, else the ranks torchrun was asked for (`torchrun --nproc-per-node N -m tinkerless.sdk.cli serve`)."""
+    gpus = args.gpus if args.gpus is not None else int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus} is not a number of GPUs", hint="1 or more")
+    if int(os.environ.get("LOCAL_RANK") or 0) > 0:  # torchrun started one process a rank: the first starts them all
+        raise SystemExit(0)
+    return gpus
 
 
 def _keys(args) -> int:

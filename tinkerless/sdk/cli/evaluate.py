@@ -13,6 +13,7 @@ import argparse
 import json
 
 from tinkerless.sdk.checkpoints.checkpoint_ref import FORMS
+from tinkerless.sdk.tracking.base import tracker_names
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -42,6 +43,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="write every episode (messages, rewards, token counts, status, passed) to this JSON-lines file",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--report-to", type=tracker_names, action="extend", metavar="TRACKERS",
+                        help="also log the report, a table of episodes and the config to these experiment trackers, "
+                        "comma-separated: wandb, tensorboard, mlflow (default: the config's report_to; docs/tracking.md)")
     # Agent functions (docs/agents.md): the same @tinkerless.agent file against any OpenAI-compatible server.
     parser.add_argument("--endpoint", help="an agent config: the OpenAI-compatible base URL to run it against, "
                         "e.g. http://127.0.0.1:8765/v1 (tinkerless serve, vLLM, a hosted API); --model names the served model")
@@ -73,7 +77,8 @@ def run(args) -> int:
 
         args.episodes = args.episodes or args.num_tasks or 32
         return agent_eval_command(args, config)
-    given = (("storage", args.storage), ("backend", args.backend), ("model", args.model), ("temperature", args.temperature))
+    given = (("storage", args.storage), ("backend", args.backend), ("model", args.model), ("temperature", args.temperature),
+             ("report_to", args.report_to))
     config = config.replace(**{k: v for k, v in given if v is not None})
     report = evaluate(
         config, checkpoint=args.checkpoint, run_id=args.run_id, step=args.step, adapter=args.adapter,

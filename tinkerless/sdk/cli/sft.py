@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from tinkerless.errors import DatasetError, UserError
+from tinkerless.sdk.tracking.base import tracker_names
 
 COMMANDS = ("sft", "export-episodes")
 
@@ -42,6 +43,7 @@ _SFT_FLAGS = {
     "checkpoint_every": (int, "steps between verified checkpoints; the last step is always saved (default: 5)"),
     "keep_checkpoints": (int, "checkpoints kept (default: 3)"),
     "micro_batch_size": (int, "sequences per forward/backward micro-batch (default: 16)"),
+    "report_to": (tracker_names, "experiment trackers, comma-separated: wandb, tensorboard, mlflow (docs/tracking.md; default: none)"),
 }
 
 
@@ -53,7 +55,8 @@ def add_parsers(sub) -> None:
     )
     sft.add_argument("file", metavar="DATA", help="chat JSONL file")
     for name, (kind, text) in _SFT_FLAGS.items():
-        sft.add_argument(f"--{name.replace('_', '-')}", type=kind, dest=name, metavar=name.upper(), help=text)
+        sft.add_argument(f"--{name.replace('_', '-')}", type=kind, dest=name, metavar=name.upper(), help=text,
+                         action="extend" if kind is tracker_names else "store")  # --report-to: once or comma-separated
     sft.add_argument("--resume", action="store_true", help="continue run --run-id (or the newest of --name) from its checkpoint")
     sft.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -29,6 +29,7 @@ from tinkerless.sdk.evaluation.pass_at_k import PassRule, mean_pass_at_k
 from tinkerless.sdk.backends.run_host import run_host_for
 from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.run.transcripts import episode_record, write_transcripts
+from tinkerless.sdk.tracking.base import check_report_to, tracker_names
 from tinkerless.wire import pack_code
 from tinkerless.wire.validate import MAX_SEED
 from tinkerless.wire.messages import BASE_POLICY, Episode, EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
@@ -239,6 +240,7 @@ def evaluate(
             hint="train with the opponent you want to measure against (e.g. tinkerless.Frozen(...)) and read its win rates",
         )
     ref = _which_checkpoint(checkpoint, run_id, step, adapter)
+    check_report_to(config.report_to)  # a tracker that is not installed fails before any model loads
     if episodes is not None:
         if num_tasks is not None or samples is not None:
             raise ConfigError("episodes= is the older form of num_tasks= with samples=1; give one or the other")
@@ -289,6 +291,11 @@ def evaluate(
             for e in report.played
         )
         report.transcripts = write_transcripts(transcripts, records)
+    if tracker_names(config.report_to):  # logged from here, like a training run's (docs/tracking.md)
+        from tinkerless.sdk.tracking.runs import report_eval
+
+        where = adapter or (None if ref is None or ref.is_base else str(ref))
+        report_eval(config, report, chosen, checkpoint=where, samples=samples, seed=seed)
     return report
 
 

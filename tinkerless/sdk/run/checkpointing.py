@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ class ClientState:
     step: int
     cursor: int
     policy_versions: dict[str, int]
+    reader_versions: list[int] = field(default_factory=list)  # older versions kept for steps ahead (`pipeline`)
 
 
 class Checkpoints:
@@ -42,20 +43,23 @@ class Checkpoints:
         self.in_flight: int | None = None  # the step whose checkpoint is being written
 
     def save(self, step: int, cursor: int, clients: dict[str, TrainingClient], policy_versions: dict[str, int],
-             run_id: str) -> None:
+             run_id: str, readers: list[CheckpointPolicy] = ()) -> None:
+        """`readers`: older policy versions the steps after `step` sample from (an async run's, `pipeline`)."""
         # The client state is taken before waiting on the previous write, as the step left it.
         numpy_state = np.random.get_state()
         client_state = {
             "step": step,
             "cursor": cursor,
             "policy_versions": policy_versions,
+            "reader_versions": sorted({policy.version for policy in readers}),
             "python_random": random.getstate(),
             "numpy_random": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
         }
         files = {CLIENT_STATE_FILE: json.dumps(client_state).encode()}
         self.finish()  # one write in flight: the previous one commits first
         # The policies are snapshotted now; the write and its commit overlap the next step.
-        self.store.save(step, checkpoint_policies(clients, policy_versions), files, {"run_id": run_id}, background=True)
+        self.store.save(step, [*checkpoint_policies(clients, policy_versions), *readers], files, {"run_id": run_id},
+                        background=True)
         self.in_flight = step
 
     def finish(self, *, wait: bool = True) -> float:
@@ -79,7 +83,8 @@ class Checkpoints:
         # JSON made the numpy state's key array a list and its tuple a list: both go back as they were.
         numpy_random = client_state["numpy_random"]
         np.random.set_state(tuple(numpy_random[:1]) + (np.array(numpy_random[1], dtype=np.uint32),) + tuple(numpy_random[2:]))
-        return ClientState(client_state["step"], client_state["cursor"], client_state["policy_versions"])
+        return ClientState(client_state["step"], client_state["cursor"], client_state["policy_versions"],
+                           client_state.get("reader_versions", []))
 
 
 def checkpoint_policies(clients: dict[str, TrainingClient], versions: dict[str, int] | None = None) -> list[CheckpointPolicy]:

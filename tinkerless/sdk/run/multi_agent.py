@@ -38,13 +38,14 @@ def play_step(
     seat_list: list[dict[str, Seat]],
     make_request: Callable[[dict[str, Seat], int], MultiAgentRolloutRequest],
     rollout: Callable[[MultiAgentRolloutRequest], Any],
-    coordinator: Coordinator,
+    coordinator: Coordinator | None,
     step: int,
     on_event: Callable[[str, str], None],
 ) -> tuple[list[Episode], dict[str, float]]:
     """Play every seating; submit each trained policy to the barrier once all its seatings are done.
 
-    Returns the episodes and the rollouts' own stats (`RolloutResult.stats`: seconds generating, in the env,
+    Without a coordinator (rollouts played ahead of their step, `pipeline`) nothing is submitted: the loop submits
+    them when it takes them. Returns the episodes and the rollouts' own stats (`RolloutResult.stats`: seconds generating, in the env,
     tokens prefilled, ...) summed over the seatings, so a multi-agent step accounts for its time like any other."""
     owed = {p: {i for i, s in enumerate(seat_list) if any(x.policy == p and x.trainable for x in s.values())}
             for p in {x.policy for s in seat_list for x in s.values() if x.trainable}}
@@ -65,7 +66,7 @@ def play_step(
             for key, value in result.stats.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     stats[key] = stats.get(key, 0.0) + float(value)
-            for policy, pending in owed.items():
+            for policy, pending in owed.items() if coordinator is not None else ():
                 pending.discard(index)
                 if not pending and policy not in _submitted(coordinator):
                     coordinator.submit_rollout(step, policy)

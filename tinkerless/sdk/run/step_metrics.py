@@ -82,3 +82,13 @@ def agent_metrics(episodes: list[Episode], policies: list[str]) -> dict[str, flo
 def mean(values) -> float:
     values = list(values)
     return float(np.mean(values)) if values else math.nan
+
+
+def agent_result_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """The step means of the metrics agents returned in `AgentResult.metrics`, as `agent/<name>` columns."""
+    values: dict[str, list[float]] = {}
+    for episode in episodes:
+        if episode.status != "error":
+            for name, value in (episode.info.get("agent_metrics") or {}).items():
+                values.setdefault(name, []).append(float(value))
+    return {f"agent/{name}": mean(column) for name, column in values.items()}

@@ -27,6 +27,7 @@ from tinkerless.sdk.run.accounting import RunUsage, format_usage, latest_usage
 from tinkerless.sdk.run.batches import update_batch
 from tinkerless.sdk.backends.base import Backend, device_of, make_backend, with_usage
 from tinkerless.sdk.backends.client import TrainingClient, free_policies
+from tinkerless.sdk.run.pipeline import Readers, RolloutPipeline, VersionView, version_for
 from tinkerless.sdk.evaluation.evaluate import eval_columns, held_out_tasks
 from tinkerless.sdk.evaluation.evaluate import play as play_eval
 from tinkerless.sdk.config import TrainConfig
@@ -46,12 +47,13 @@ from tinkerless.sdk.run.multi_agent import build_seats, play_step
 from tinkerless.sdk.run.progress import Progress
 from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors
 from tinkerless.sdk.run.rollouts import step_seed as _step_seed
-from tinkerless.sdk.run.step_metrics import agent_metrics, mean, step_record
+from tinkerless.sdk.run.step_metrics import agent_metrics, agent_result_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
 from tinkerless.sdk.run import truncation
 from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE, episode_record
 from tinkerless.sdk.run.transcripts import sample as sample_episodes
+from tinkerless.sdk.tracking.runs import finish_run_trackers, open_run_trackers
 from tinkerless.wire.messages import AdamParams, Episode, LoraConfig, PolicyState
 
 logger = logging.getLogger(__name__)
@@ -99,7 +101,8 @@ class _Run:
             backend
             or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size,
                             dtype=config.dtype,
-                            **({"threads": config.threads} if config.backend == "local" and config.threads else {}))
+                            **({"threads": config.threads} if config.backend == "local" and config.threads else {}),
+                            **({"rollout_workers": config.rollout_workers} if config.rollout_workers else {}))
         )
         try:
             # The run's state and checkpoints: in `storage`, or on the server the backend talks to.
@@ -143,10 +146,18 @@ class _Run:
                     for i, name in enumerate(self.policies)
                 }
                 self._load_frozen_adapters()
+                self._reader_versions: list[int] = []  # a resumed async run's readers, kept in its checkpoint
                 if start:
                     self._restore()
                 elif config.init_from:
                     self._warm_start()
+                self.pipeline = self._start_pipeline() if config.max_staleness else None
+            # From this client, whatever the backend (docs/tracking.md); a resume continues the same tracker runs.
+            self.trackers = open_run_trackers(
+                config.report_to, summary=config.summary(), run_id=self.run_id, run_dir=self.run_dir, kind="train",
+                backend=self.backend.name, start_step=self.step, steps=config.steps,
+                policies=self.policies if self.multi_agent else (),
+            )
         except BaseException as exc:
             self._stop(exc)  # never leave a run that looks alive
             if isinstance(exc, KeyboardInterrupt):
@@ -181,6 +192,7 @@ class _Run:
             return
         self._versions.update(restored.policy_versions)
         self.step, self.cursor = restored.step, restored.cursor
+        self._reader_versions = restored.reader_versions
         self.coordinator.reset_to_checkpoint(self.step, self.config.summary())
         self.metrics.truncate_after(self.step - 1)
         self.transcripts.truncate_after(self.step - 1)
@@ -207,14 +219,19 @@ class _Run:
                     checkpoint_s += self.checkpoints.finish(wait=False)  # committed by now, as a rule
                 record["storage_s"] += checkpoint_s
                 record.update(self.usage.step_columns())
+                self.trackers.log_step(record, self._step_episodes)  # before the line: it notes a tracker's failure
                 # The step's line goes out before its checkpoint: a crash in between leaves a line that
                 # resume truncates (it resumes from the previous checkpoint), never a checkpoint without its line.
                 self.metrics.log(record)
                 self.step += 1
+                if self.pipeline is not None:
+                    self._advance_pipeline()
                 started = time.perf_counter()
                 if self.step % config.checkpoint_every == 0 or self.step == config.steps:
                     with uninterrupted(), self.usage.phase("storage"):  # save_state runs on the functions
-                        self.checkpoints.save(self.step, self.cursor, self.clients, policy_versions, self.run_id)
+                        readers = self.pipeline.versions_needed(self.step) if self.pipeline is not None else []
+                        self.checkpoints.save(self.step, self.cursor, self.clients, policy_versions, self.run_id,
+                                              readers=self.readers.checkpoint_policies(readers) if readers else [])
                 checkpoint_s = time.perf_counter() - started
                 progress.update(record)
                 if "warning" in record:
@@ -224,7 +241,7 @@ class _Run:
             with uninterrupted(), self.usage.phase("storage"):
                 self.checkpoints.finish()  # the last checkpoint is committed before the run is finished
             progress.close()
-            records = read_metrics(self.run_dir / "metrics.jsonl")
+            records = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if "step" in r]  # not a tracker's note
             plot = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
             usage = self.usage.summary()
             self.heartbeat.stop()
@@ -235,10 +252,17 @@ class _Run:
             if isinstance(exc, KeyboardInterrupt):
                 raise self._interrupted(exc) from None
             raise
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.readers.close()
         free_policies([*self.clients.values(), *self._frozen_clients()])
         self.backend.close()
+        outcomes = None
         if self.multi_agent:
-            plot_outcomes(self.run_dir / "metrics.jsonl", self.run_dir / "outcomes.png", self.policies, title=self.run_id)
+            outcomes = plot_outcomes(self.run_dir / "metrics.jsonl", self.run_dir / "outcomes.png", self.policies,
+                                     title=self.run_id)
+        finish_run_trackers(self.trackers, {**reward_summary(records), "usage": usage}, [plot, outcomes],
+                            self.run_dir / "metrics.jsonl")
         result = RunResult(
             self.run_id, self.run_dir, records, self.coordinator.state.last_checkpoint_step, Path(plot), self.events, usage
         )
@@ -248,6 +272,8 @@ class _Run:
     def _stop(self, exc: BaseException) -> None:
         """End a run that raised: `interrupted` for Ctrl-C/SIGTERM, else `failed`; then free the backend."""
         self.heartbeat.stop()
+        if getattr(self, "pipeline", None) is not None:
+            self.pipeline.close(wait=False)  # rollouts running ahead are dropped: a resume plays them again
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         try:
             with uninterrupted():  # a checkpoint being written still commits: a resume starts from it
@@ -263,6 +289,8 @@ class _Run:
             pass
         finally:
             self.backend.close()
+            if getattr(self, "trackers", None) is not None:  # their runs marked failed or killed; a resume reopens them
+                self.trackers.close(status, note=self.metrics.log)
 
     def _interrupted(self, exc: KeyboardInterrupt) -> RunInterrupted:
         name = exc.signal_name if isinstance(exc, RunInterrupted) else "SIGINT"
@@ -287,8 +315,14 @@ class _Run:
         started = time.perf_counter()
         with self.usage.phase("rollout"):
             self.coordinator.begin_rollout(step, participants=self.policies)
-            tasks, self.cursor = self.tasks.batch(self.cursor, config.batch_size)
-            episodes = self._multi_agent_rollouts(tasks) if self.multi_agent else self._rollouts(tasks)
+            if self.pipeline is None:
+                tasks, self.cursor = self.tasks.batch(self.cursor, config.batch_size)
+                episodes = self._multi_agent_rollouts(tasks) if self.multi_agent else self._rollouts(tasks)
+            else:  # played ahead (`pipeline`): they reach the barrier now, as this step's
+                tasks, self.cursor, episodes, self._rollout_stats = self.pipeline.take(step)
+                for name in self.policies:
+                    self.coordinator.submit_rollout(step, name)
+                    self._event("rollouts_in", name)
             # global barrier: every policy's rollouts are in
             self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)
         timings["rollout_s"] = time.perf_counter() - started
@@ -306,6 +340,7 @@ class _Run:
         self.coordinator.commit_update(step, {"reward_mean": reward_mean, "usage": self.usage.summary()})
         self._event("committed", "*")
         record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started, self._rollout_stats)
+        record["staleness"] = step - version_for(step, config.max_staleness)  # versions between sampler and update
         record.update(truncation.columns(episodes, config.turn_limit()))
         if not self._truncation_warned and truncation.warrants_warning(record):
             self._truncation_warned = True  # once per run: the metrics line and the console say it
@@ -314,10 +349,41 @@ class _Run:
             record.update(agent_metrics(episodes, self.policies))
         record.update(agent_result_metrics(episodes))
         limits = self.requests.limits()
+        self._step_episodes = []  # the transcripts episodes.jsonl gets, and the trackers' tables
         for episode in sample_episodes(episodes, config.transcripts_per_step):
             task = tasks[episode.task_index] if 0 <= episode.task_index < len(tasks) else None
-            self.transcripts.log(episode_record(episode, limits, step=step, task=task))
+            self._step_episodes.append(episode_record(episode, limits, step=step, task=task))
+            self.transcripts.log(self._step_episodes[-1])
         return record, versions
+
+    # ---- rollouts ahead of the update (max_staleness >= 1: `pipeline`) ----------------
+    def _start_pipeline(self) -> RolloutPipeline:
+        """Readers of the versions the next steps sample from (a resume's from its checkpoint), and the pipeline."""
+        k = self.config.max_staleness
+        self.readers = Readers(self.clients, self.namespace)
+        self.readers.open(self.step, k, self._reader_versions, lambda policies: (
+            self.checkpoints.store.restore(policies, [], step=self.step, driver=False)))
+        self._play_cursor = self.cursor
+        pipeline = RolloutPipeline(k, self.config.steps, self.readers, self._play)
+        pipeline.start(self.step)
+        return pipeline
+
+    def _advance_pipeline(self) -> None:
+        """After step `self.step - 1` committed: publish the new version, free the ones no step samples from."""
+        self.readers.publish(self.step)  # even past the last step: its checkpoint keeps it for a longer resumed run
+        self.readers.retire(below=version_for(self.step, self.config.max_staleness))
+        self.pipeline.fill(self.step)
+
+    def _play(self, step: int, view: VersionView) -> tuple[list[dict], int, list[Episode], dict]:
+        """Step `step`'s rollouts through `view` (on the pipeline's thread, in step order): its tasks, the cursor
+        after them, its episodes and the rollouts' stats. Nothing here touches the coordinator."""
+        tasks, self._play_cursor = self.tasks.batch(self._play_cursor, self.config.batch_size)
+        if self.multi_agent:
+            episodes, stats = play_step(self.seats, lambda seats, i: self.requests.multi_agent(tasks, step, seats, i),
+                                        view.rollout_multi, None, step, lambda event, policy: None)
+            return tasks, self._play_cursor, episodes, stats
+        result = view.rollout(self.requests.single_agent(tasks, step))
+        return tasks, self._play_cursor, result.episodes, result.stats
 
     def _rollouts(self, tasks: list[dict]) -> list[Episode]:
         result = self.clients["default"].rollout(self.requests.single_agent(tasks, self.step))
@@ -376,16 +442,6 @@ def _final_report(result: RunResult) -> str:
         f"  checkpoint: step-{result.last_checkpoint_step} (resume with --resume --run-id {result.run_id})"
         + (f"\n  compute: {format_usage(result.usage)}" if result.usage else "")
     )
-
-
-def agent_result_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """The step means of the metrics agents returned in `AgentResult.metrics`, as `agent/<name>` columns."""
-    values: dict[str, list[float]] = {}
-    for episode in episodes:
-        if episode.status != "error":
-            for name, value in (episode.info.get("agent_metrics") or {}).items():
-                values.setdefault(name, []).append(float(value))
-    return {f"agent/{name}": mean(column) for name, column in values.items()}
 
 
 __all__ = ["RunResult", "train"]

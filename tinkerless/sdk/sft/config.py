@@ -13,6 +13,7 @@ from typing import Any
 from tinkerless.functions.precision import check_dtype
 from tinkerless.errors import ConfigError
 from tinkerless.sdk.run.accounting import PriceTable
+from tinkerless.sdk.tracking.base import check_report_to
 
 
 @dataclass
@@ -57,6 +58,7 @@ class SFTConfig:
     progress: bool = True
     prices: dict[str, float] | None = None
     price_per_hour: float | None = None
+    report_to: list[str] = dataclasses.field(default_factory=list)  # experiment trackers, as in TrainConfig (docs/tracking.md)
 
     def validate(self) -> None:
         if self.data is None:
@@ -80,6 +82,7 @@ class SFTConfig:
             raise ConfigError(f"init_from must be '<run_id>@<step>' or an adapter directory, got {self.init_from!r}")
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", str(self.run_id)):
             raise ConfigError(f"invalid run_id {self.run_id!r}", hint="letters, digits, '.', '_' and '-'")
+        check_report_to(self.report_to)  # before any model loads
         self.price_table()
 
     def price_table(self) -> PriceTable:

@@ -36,6 +36,7 @@ from tinkerless.sdk.sft.data import SFTExample, as_records, render_examples, spl
 from tinkerless.sdk.sft.plot import plot_sft
 from tinkerless.sdk.run.trainer import CLIENT_STATE_FILE, RunResult
 from tinkerless.sdk.checkpoints.warm_start import apply_init_from, check_init_from
+from tinkerless.sdk.tracking.runs import finish_run_trackers, open_run_trackers
 from tinkerless.wire.messages import AdamParams, Datum, LoraConfig
 from tinkerless.wire.runs import CheckpointPolicy
 
@@ -150,6 +151,10 @@ class _SFTRun:
                     self._restore()
                 elif config.init_from:
                     self._warm_start()
+            self.trackers = open_run_trackers(  # from this client, as train() does (docs/tracking.md)
+                config.report_to, summary=self._config_summary(), run_id=self.run_id, run_dir=self.run_dir, kind="sft",
+                backend=self.backend.name, start_step=self.step, steps=self.steps,
+            )
         except BaseException as exc:
             self._stop(exc)
             raise
@@ -208,6 +213,7 @@ class _SFTRun:
                 record = self._train_step()
                 record["storage_s"] = checkpoint_s
                 record.update(self.usage.step_columns())
+                self.trackers.log_step(record)
                 self.metrics.log(record)  # before the checkpoint, as in train(): resume truncates a line without one
                 self.step += 1
                 started = time.perf_counter()
@@ -217,7 +223,7 @@ class _SFTRun:
                 checkpoint_s = time.perf_counter() - started
                 progress.update(record)
             progress.close()
-            records = read_metrics(self.run_dir / "metrics.jsonl")
+            records = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if "step" in r]  # not a tracker's note
             plot = plot_sft(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png", title=self.run_id)
             usage = self.usage.summary()
             self.heartbeat.stop()
@@ -233,6 +239,7 @@ class _SFTRun:
             raise
         free_policies([self.client])
         self.backend.close()
+        finish_run_trackers(self.trackers, {**nll_summary(records), "usage": usage}, [plot], self.run_dir / "metrics.jsonl")
         result = RunResult(self.run_id, self.run_dir, records, self.coordinator.state.last_checkpoint_step, Path(plot), [], usage)
         print(_final_report(result), flush=True)
         return result
@@ -286,6 +293,8 @@ class _SFTRun:
             pass
         finally:
             self.backend.close()
+            if getattr(self, "trackers", None) is not None:
+                self.trackers.close(status, note=self.metrics.log)
 
 
 def nll_summary(records: list[dict]) -> dict:

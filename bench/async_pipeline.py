@@ -1,0 +1,118 @@
+"""Synchronous against async training (`max_staleness`) on the same two processes: seconds a step and reward.
+
+    .venv/bin/python bench/async_pipeline.py --out runs/bench-async            # the main job and guess_number
+    .venv/bin/python bench/async_pipeline.py --jobs arithmetic --steps 4 --staleness 0,1   # a quick look
+
+Every run uses one reader process (the rollouts, 1 thread) and one writer process (the update, 1 thread):
+`backend="local", rollout_workers=1, threads=2`. Synchronous (k = 0) takes turns: the reader idles while the
+writer updates and the other way round; with k ≥ 1 step s samples from policy version s − k while the updates
+of the steps before it run. For each job and k it reports the mean seconds a step (after the first, which loads
+and warms), the rewards against wall-clock time (`async_pipeline.png`), the staleness and the sampler/trainer
+log-prob gap, as JSON lines written as each run ends, and a markdown table for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = {"arithmetic": REPO / "examples/arithmetic.py", "guess_number": REPO / "examples/guess_number.py"}
+
+
+def load_config(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.config
+
+
+def run(job: str, staleness: int, steps: int, out: Path) -> dict:
+    import tinkerless
+
+    config = load_config(JOBS[job]).replace(
+        steps=steps, max_staleness=staleness, rollout_workers=1, threads=2, backend="local", progress=False,
+        storage=str(out / f"{job}-k{staleness}"), run_id="r", checkpoint_every=steps, report_to=[])
+    started = time.perf_counter()
+    result = tinkerless.train(config)
+    wall = time.perf_counter() - started
+    metrics = result.metrics
+    # wall-clock at the end of each step, from the records' own step seconds (setup excluded)
+    clock, elapsed = [], 0.0
+    for record in metrics:
+        elapsed += record["step_s"]
+        clock.append(elapsed)
+    warm = [r["step_s"] for r in metrics[1:]] or [metrics[0]["step_s"]]
+    return {"job": job, "max_staleness": staleness, "steps": steps, "wall_s": wall,
+            "mean_step_s": statistics.mean(warm), "clock_s": clock, "reward": [r["reward_mean"] for r in metrics],
+            "staleness": [r.get("staleness", 0) for r in metrics],
+            "logprob_gap": [r.get("logprob_gap") for r in metrics], "rollout_s": [r["rollout_s"] for r in metrics],
+            "update_s": [r.get("update_s") for r in metrics]}
+
+
+def reward_at(row: dict, seconds: float, window: int = 3) -> float:
+    """The mean reward of the last `window` steps finished by `seconds` of training."""
+    done = [r for r, t in zip(row["reward"], row["clock_s"]) if t <= seconds] or row["reward"][:1]
+    return statistics.mean(done[-window:])
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    jobs = sorted({r["job"] for r in rows})
+    figure, axes = plt.subplots(1, len(jobs), figsize=(6 * len(jobs), 4), squeeze=False)
+    for axis, job in zip(axes[0], jobs):
+        for row in (r for r in rows if r["job"] == job):
+            axis.plot(row["clock_s"], row["reward"], marker=".", label=f"max_staleness={row['max_staleness']}")
+        axis.set(title=f"{job}: reward against wall-clock", xlabel="seconds of training", ylabel="reward_mean")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| job | max_staleness | s/step | steps/s vs sync | reward, last 3 steps | reward at sync's half time "
+             "| mean staleness | mean logprob_gap |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        sync = next(r for r in rows if r["job"] == row["job"] and r["max_staleness"] == 0)
+        gaps = [g for g in row["logprob_gap"] if g is not None]
+        lines.append(
+            f"| {row['job']} | {row['max_staleness']} | {row['mean_step_s']:.2f} "
+            f"| {sync['mean_step_s'] / row['mean_step_s']:.2f}x | {statistics.mean(row['reward'][-3:]):.3f} "
+            f"| {reward_at(row, sync['clock_s'][-1] / 2):.3f} | {statistics.mean(row['staleness']):.2f} "
+            f"| {statistics.mean(gaps) if gaps else 0:.4f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", default="arithmetic,guess_number")
+    parser.add_argument("--staleness", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default="runs/bench-async")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "async_pipeline.jsonl"
+    results.write_text("")
+    rows = []
+    for job in args.jobs.split(","):
+        for staleness in (int(k) for k in args.staleness.split(",")):
+            row = run(job, staleness, args.steps, out)
+            rows.append(row)
+            with results.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{job} k={staleness}: {row['mean_step_s']:.2f} s/step, reward {row['reward'][-1]:.3f}", flush=True)
+    plot(rows, out / "async_pipeline.png")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
