@@ -245,3 +245,23 @@ def test_on_modal_the_rollouts_of_the_next_step_run_while_the_update_runs(tiny_m
     assert len(rollouts) == 4 and updates
     overlapping = [(r, u) for r in rollouts for u in updates if r[0] < u[1] and u[0] < r[1]]
     assert overlapping, f"no rollout call was in flight during an update call: {timeline}"
+
+
+def test_through_a_server_an_async_run_and_its_resume_equal_the_local_one(tiny_model, tmp_path):
+    """On `tinkerless serve` the readers are the server's policies and the older versions sit in the server's
+    checkpoints: a run stopped after step 3 and resumed there ends as the local async run does."""
+    from tinkerless.sdk.backends.http import HTTPBackend
+    from tinkerless.server import create_app
+    from tinkerless.server import serve_in_thread as running
+    from tinkerless.storage import CheckpointStore, ObjectStore
+
+    local = _train(tmp_path / "local", tiny_model, max_staleness=2)
+    server = tmp_path / "server"
+    with running(create_app(Worker(tiny_model, threads=1), storage=str(server))) as url:
+        _train(tmp_path / "client", tiny_model, max_staleness=2, steps=3, backend=HTTPBackend(url))
+        resumed = _train(tmp_path / "client", tiny_model, max_staleness=2, resume=True, backend=HTTPBackend(url))
+    assert [r["reward_mean"] for r in resumed.metrics] == [r["reward_mean"] for r in local.metrics]
+    ours = CheckpointStore(ObjectStore(str(server / "tenants/_")), "runs/r/checkpoints").load(5).files
+    theirs = CheckpointStore(ObjectStore(str(tmp_path / "local")), "runs/r/checkpoints").load(5).files
+    assert ours["adapter/adapter_model.safetensors"] == theirs["adapter/adapter_model.safetensors"]
+    assert {k for k in ours if k.startswith("readers/")} == {k for k in theirs if k.startswith("readers/")} != set()

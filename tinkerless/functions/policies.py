@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -105,7 +106,9 @@ class PolicyAdapters:
             # peft cannot drop a model's last adapter; keep the slot, it is reused or freed with the worker.
             return False
         self._adapters_changed()
-        self.model.delete_adapter(name)
+        with warnings.catch_warnings():  # peft notes it switched the active adapter: the next call activates its own
+            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+            self.model.delete_adapter(name)
         lora_inference.forget(self.model, name)  # its layers' views would keep the freed weights alive
         del self.policies[name]
         return True
