@@ -574,3 +574,24 @@ def test_arrays_of_every_kind_in_one_message_keep_their_own_bytes():
     for sent, got in zip(values, out):
         expected = sent.numpy() if isinstance(sent, torch.Tensor) else sent
         assert got.dtype == expected.dtype and np.array_equal(got, expected)
+
+
+def test_an_error_reply_comes_back_as_its_own_class_or_a_remote_error_never_a_type_error():
+    """A class this side knows is raised as itself; one whose constructor takes other arguments (SequenceReused)
+    or one this side does not know comes back as a RemoteError keeping the remote type, hint and traceback."""
+    from tinkerless.errors import ConfigError, RemoteError, SequenceReused
+    from tinkerless.wire.replies import error_reply, raise_error_reply
+
+    for exc, expected in ((ConfigError("bad", hint="fix it"), ConfigError), (SequenceReused(3, 5), RemoteError),
+                          (ValueError("boom"), RemoteError)):
+        try:
+            raise exc
+        except Exception as caught:  # noqa: BLE001 - error_reply reads the traceback being handled
+            reply = error_reply(caught)
+        with pytest.raises(expected) as raised:
+            raise_error_reply(reply, where="rank 0 update")
+        assert raised.value.remote_traceback == reply.traceback and type(exc).__name__ in reply.traceback
+        if expected is RemoteError:
+            assert raised.value.remote_type == type(exc).__name__ and "rank 0 update failed" in str(raised.value)
+        else:
+            assert raised.value.hint == "fix it"

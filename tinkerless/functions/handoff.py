@@ -53,10 +53,15 @@ class VersionProof:
         return cls(**json.loads(data))
 
 
+def adapter_files(files: dict[str, bytes]) -> dict[str, bytes]:
+    """A policy state's adapter files: what a reader loads (not the writer's optimizer or RNG)."""
+    return {name: data for name, data in files.items() if name.startswith("adapter/")}
+
+
 def adapter_digest(files: dict[str, bytes]) -> str:
     """sha256 over the adapter's own files (names and bytes), not the optimizer or RNG a reader never loads."""
     digest = hashlib.sha256()
-    for name in sorted(n for n in files if n.startswith("adapter/")):
+    for name in sorted(adapter_files(files)):
         digest.update(name.encode() + b"\0" + len(files[name]).to_bytes(8, "little") + files[name])
     return digest.hexdigest()
 

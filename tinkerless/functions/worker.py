@@ -17,13 +17,12 @@ import io
 import math
 import os
 import tempfile
-import traceback
 import warnings
 from typing import Any, Callable
 
 import torch
 
-from tinkerless.errors import ConfigError, ProtocolError, TinkerlessError, UserError
+from tinkerless.errors import ConfigError, ProtocolError, UserError
 from tinkerless.functions.rollout import requests as rollout_requests
 from tinkerless.functions.policies import Policy, PolicyAdapters
 from tinkerless.functions.training import forward_backward as training
@@ -36,11 +35,11 @@ from tinkerless.functions.models import load_model, resolve_model
 from tinkerless.functions.threads import apply_threads, choose_threads
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.code import CodeBlob
+from tinkerless.wire.replies import error_reply
 from tinkerless.wire.validate import validate
 from tinkerless.wire.messages import (
     BASE_POLICY,
     CreatePolicyRequest,
-    ErrorReply,
     ForwardBackwardRequest,
     ForwardBackwardResult,
     ForwardRequest,
@@ -81,17 +80,6 @@ _REQUEST_TYPES = {
     "load_state": LoadStateRequest,
 }
 
-
-
-def error_reply(exc: Exception) -> ErrorReply:
-    """The structured reply for a call that raised `exc` (call inside the `except` block: it keeps the traceback)."""
-    return ErrorReply(
-        error=getattr(exc, "message", str(exc)),
-        category=exc.category if isinstance(exc, TinkerlessError) else "server",
-        type=type(exc).__name__,
-        traceback=traceback.format_exc(),
-        hint=getattr(exc, "hint", None),
-    )
 
 class Worker:
     METHODS = ("info", *_REQUEST_TYPES)

@@ -5,7 +5,8 @@
 - `messages`: the requests and replies of the rollout, forward and update functions;
 - `runs`: coordinator calls and checkpoints of a run hosted by a server;
 - `validate` / `run_calls`: every value a client sends, checked at the boundary;
-- `http`: the HTTP transport's header names and its size-limited body reader.
+- `http`: the HTTP transport's header names and its size-limited body reader;
+- `replies`: an `ErrorReply` raised back as the error it reports.
 """
 
 from tinkerless.wire.code import CodeBlob, pack_code, unpack_code

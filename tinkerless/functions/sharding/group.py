@@ -18,16 +18,16 @@ from __future__ import annotations
 import multiprocessing
 import socket
 import time
-import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-from tinkerless.errors import ConfigError, RankFailed, RemoteError, TinkerlessError, UserError, error_class_for
+from tinkerless.errors import ConfigError, RankFailed, UserError
 from tinkerless.functions.precision import check_dtype, dtype_name, resolve_dtype
 from tinkerless.functions.sharding.process import rank_main
 from tinkerless.wire import decode_message, encode_message
+from tinkerless.wire.replies import error_reply, raise_error_reply
 from tinkerless.wire.messages import (
     ErrorReply,
     LoadStateRequest,
@@ -255,10 +255,7 @@ class ShardedWorker:
             self._track(method, payload, reply)
             return reply
         except Exception as exc:  # as Worker.handle: every failure a structured reply
-            category = exc.category if isinstance(exc, TinkerlessError) else "server"
-            return encode_message(ErrorReply(error=getattr(exc, "message", str(exc)), category=category,
-                                             type=type(exc).__name__, traceback=traceback.format_exc(),
-                                             hint=getattr(exc, "hint", None)))  # fmt: skip
+            return encode_message(error_reply(exc))
 
     def _track(self, method: str, payload: bytes, reply: bytes) -> None:
         result = decode_message(reply)
@@ -280,16 +277,7 @@ class ShardedWorker:
     def _call(self, method: str, request: Any) -> Any:
         result = decode_message(self.handle(method, encode_message(request)))
         if isinstance(result, ErrorReply):
-            cls = error_class_for(result.type)
-            if cls is not None and cls is not RemoteError:
-                try:
-                    error = cls(result.error, hint=result.hint)
-                except TypeError:
-                    error = None
-                if error is not None:
-                    raise error
-            raise RemoteError(result.error, category=result.category, remote_type=result.type,
-                              traceback=result.traceback, hint=result.hint)  # fmt: skip
+            raise_error_reply(result, where=f"the sharded {method}")
         return result
 
     def create_policy(self, request: Any) -> dict:

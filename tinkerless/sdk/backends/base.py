@@ -13,11 +13,13 @@ import threading
 import time
 from typing import Any, Protocol
 
-from tinkerless.errors import ConfigError, RemoteError, TinkerlessError, error_class_for
-from tinkerless.sdk.backends.reader_processes import CHANGING_METHODS, READ_METHODS
+from tinkerless.errors import ConfigError, TinkerlessError
+from tinkerless.sdk.backends.reader_processes import (CHANGING_METHODS, READ_METHODS, changed_policy, policies_of, publish,
+                                                      start_readers, stop_readers)
 from tinkerless.sdk.run.accounting import UsageMeter
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.messages import ErrorReply
+from tinkerless.wire.replies import raise_error_reply
 
 
 class Backend(Protocol):
@@ -44,7 +46,6 @@ class LocalBackend:
         self.readers: list = []
         if rollout_workers:
             from tinkerless.functions.threads import choose_threads
-            from tinkerless.sdk.backends.reader_processes import start_readers
 
             # The CPU threads split between the writer and the readers, so the processes do not fight for cores.
             total = choose_threads(worker_options.pop("threads", None)).threads
@@ -74,8 +75,6 @@ class LocalBackend:
 
     def close(self) -> None:
         if self.readers:
-            from tinkerless.sdk.backends.reader_processes import stop_readers
-
             stop_readers(self.readers)
             self.readers = []
 
@@ -84,9 +83,6 @@ class LocalBackend:
     def _changed(self, method: str, request: Any, reply: bytes) -> None:
         """A writer call that may have changed a policy (under the writer's lock): readers' copies are stale. A
         state handed over by `load_state` is published at once, with its proof, for readers to take later."""
-        from tinkerless.functions.handoff import make_proof
-        from tinkerless.sdk.backends.reader_processes import Published, changed_policy
-
         name = changed_policy(request)
         if name is None:
             return
@@ -97,14 +93,10 @@ class LocalBackend:
                 if reader.held.pop(name, None) is not None:
                     reader.doomed.add(name)  # freed before that reader's next call, not waiting for its current one
         elif method == "load_state" and name in self.worker.policies and not isinstance(decode_message(reply), ErrorReply):
-            files = {k: v for k, v in request.state.files.items() if k.startswith("adapter/")}
-            version = self.worker.policies[name].version
-            proof = make_proof(self.worker, name, version, files)
-            self._published[name] = (change, Published(version, files, proof.to_bytes()))
+            self._published[name] = (change, publish(self.worker, name, self.worker.policies[name].version,
+                                                     request.state.files))
 
     def _read(self, method: str, payload: bytes) -> bytes:
-        from tinkerless.sdk.backends.reader_processes import policies_of
-
         request = decode_message(payload)
         reader = self._acquire_reader()
         try:
@@ -133,8 +125,6 @@ class LocalBackend:
 
     def _sync(self, reader: Any, name: str) -> None:
         """Bring `reader`'s copy of policy `name` to the writer's current state of it, proven (`handoff`)."""
-        from tinkerless.functions.handoff import make_proof
-        from tinkerless.sdk.backends.reader_processes import Published
         from tinkerless.wire.messages import SaveStateRequest
 
         change = self._changes.get(name)
@@ -145,9 +135,8 @@ class LocalBackend:
             with self._lock:  # the writer's state now: waits for the writer's call in progress
                 change = self._changes.get(name)
                 state = self.worker.save_state(SaveStateRequest(name, include_optimizer=False))
-                files = {k: v for k, v in state.files.items() if k.startswith("adapter/")}
-                proof = make_proof(self.worker, name, state.policy_version, files)
-                published = self._published[name] = (change, Published(state.policy_version, files, proof.to_bytes()))
+                published = self._published[name] = (change, publish(self.worker, name, state.policy_version,
+                                                                      state.files))
         change, state = published
         reply = decode_message(reader.request(("sync", name, state.version, state.files, state.proof)))
         if isinstance(reply, ErrorReply):
@@ -206,22 +195,6 @@ def call(backend: Backend, method: str, request: Any) -> Any:
     if isinstance(reply, ErrorReply):
         raise_error_reply(reply, where=f"{backend.name} {method}")
     return reply
-
-
-def raise_error_reply(reply: ErrorReply, *, where: str) -> None:
-    cls = error_class_for(reply.type)
-    if cls is not None and cls is not RemoteError:
-        error = cls(reply.error, hint=reply.hint)
-    else:
-        error = RemoteError(
-            f"{where} failed: {reply.type}: {reply.error}",
-            category=reply.category,
-            remote_type=reply.type,
-            traceback=reply.traceback,
-            hint=reply.hint,  # what to do about it: a server-side error class the client does not know keeps it too
-        )
-    error.remote_traceback = reply.traceback  # type: ignore[attr-defined]
-    raise error
 
 
 # Backends that live on a higher floor (`tinkerless.cloud`, which itself runs the client's trainer in the cloud),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from tinkerless.errors import TinkerlessError
 from tinkerless.functions.losses import LossConfig
@@ -42,6 +42,7 @@ from tinkerless.wire.messages import (
     SampleResult,
     SamplingParams,
     SaveStateRequest,
+    Seat,
     UpdateRequest,
     UpdateResult,
 )
@@ -84,12 +85,7 @@ class TrainingClient:
         return call(self.backend, "rollout", request)
 
     def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
-        seats = {role: dataclasses.replace(seat, policy=self.remote(seat.policy)) for role, seat in request.seats.items()}
-        result = call(self.backend, "rollout_multi", dataclasses.replace(request, seats=seats))
-        local = {self.remote(seat.policy): seat.policy for seat in request.seats.values()}
-        for episode in result.episodes:  # report policies by the names the caller used
-            episode.info["policy"] = local.get(episode.info.get("policy"), episode.info.get("policy"))
-        return result
+        return rollout_multi_as(self.backend, request, lambda seat: self.remote(seat.policy))
 
     def sample(
         self, prompts: list[Any], n: int = 1, params: SamplingParams | None = None, *, seed: int = 0
@@ -125,6 +121,18 @@ class TrainingClient:
     def load_state(self, state: PolicyState, include_optimizer: bool = True) -> dict:
         state = dataclasses.replace(state, policy=self.remote(self.policy))
         return call(self.backend, "load_state", LoadStateRequest(state, include_optimizer))
+
+
+def rollout_multi_as(backend: Backend, request: MultiAgentRolloutRequest,
+                     remote: Callable[[Seat], str | None]) -> RolloutResult:
+    """Play `request` with each seat's policy under its worker-side name `remote(seat)`; the episodes report
+    policies by the names the caller used."""
+    seats = {role: dataclasses.replace(seat, policy=remote(seat)) for role, seat in request.seats.items()}
+    result = call(backend, "rollout_multi", dataclasses.replace(request, seats=seats))
+    local = {seats[role].policy: seat.policy for role, seat in request.seats.items()}
+    for episode in result.episodes:
+        episode.info["policy"] = local.get(episode.info.get("policy"), episode.info.get("policy"))
+    return result
 
 
 def free_policies(clients: list[TrainingClient]) -> None:

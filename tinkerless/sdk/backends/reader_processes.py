@@ -54,6 +54,15 @@ class Published:
     proof: bytes
 
 
+def publish(worker: Any, policy: str, version: int, files: dict[str, bytes]) -> Published:
+    """`version` of `policy` as readers take it: the state's adapter files and the writer's proof of them (computed
+    on the writer `worker`, which holds that version now)."""
+    from tinkerless.functions.handoff import adapter_files, make_proof
+
+    adapter = adapter_files(files)
+    return Published(version, adapter, make_proof(worker, policy, version, adapter).to_bytes())
+
+
 @dataclass
 class ReaderProcess:
     """One worker process and what it holds: per policy, the writer's change count it was synced to."""
@@ -116,7 +125,8 @@ def stop_readers(readers: list[ReaderProcess]) -> None:
 def _serve(connection, model: str, options: dict) -> None:
     """A reader process: a Worker answering calls and version syncs until told to stop."""
     from tinkerless.functions.handoff import VersionProof, check_files, check_loaded
-    from tinkerless.functions.worker import Worker, error_reply
+    from tinkerless.functions.worker import Worker
+    from tinkerless.wire.replies import error_reply
     from tinkerless.wire.messages import DeletePolicyRequest, LoadStateRequest, PolicyState
 
     try:

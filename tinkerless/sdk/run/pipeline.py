@@ -16,15 +16,14 @@ to it when the loop takes them, so an update of one policy never sees rollouts o
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from tinkerless.coordinator.policy_checkpoints import READERS_PREFIX
 from tinkerless.errors import ConfigError
-from tinkerless.sdk.backends.base import call
-from tinkerless.sdk.backends.client import TrainingClient
-from tinkerless.wire.messages import MultiAgentRolloutRequest, RolloutRequest, RolloutResult
+from tinkerless.functions.handoff import adapter_files
+from tinkerless.sdk.backends.client import TrainingClient, rollout_multi_as
+from tinkerless.wire.messages import MultiAgentRolloutRequest, RolloutRequest, RolloutResult, Seat
 from tinkerless.wire.runs import CheckpointPolicy
 
 
@@ -47,7 +46,7 @@ class Readers:
         self.held[version] = {}
         for name, writer in self.writers.items():
             state = writer.save_state(include_optimizer=False)
-            state.files = {k: v for k, v in state.files.items() if k.startswith("adapter/")}
+            state.files = adapter_files(state.files)
             reader = self._client(name, version)
             reader.load_state(state, include_optimizer=False)
             self.held[version][name] = reader
@@ -105,16 +104,11 @@ class VersionView:
         return self.readers[request.policy].rollout(request)
 
     def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
-        remote = {}
-        for seat in request.seats.values():
+        def remote(seat: Seat) -> str | None:
             client = self.readers.get(seat.policy) if seat.trainable else None
-            remote[seat.policy] = (client or self.any_writer).remote(seat.policy)
-        seats = {role: dataclasses.replace(seat, policy=remote[seat.policy]) for role, seat in request.seats.items()}
-        result = call(self.any_writer.backend, "rollout_multi", dataclasses.replace(request, seats=seats))
-        local = {theirs: ours for ours, theirs in remote.items()}
-        for episode in result.episodes:  # report policies by the names the trainer uses
-            episode.info["policy"] = local.get(episode.info.get("policy"), episode.info.get("policy"))
-        return result
+            return (client or self.any_writer).remote(seat.policy)
+
+        return rollout_multi_as(self.any_writer.backend, request, remote)
 
 
 class RolloutPipeline:
@@ -122,15 +116,13 @@ class RolloutPipeline:
 
     `play(step, view)` runs step `step`'s rollouts through `view` and returns what the loop needs of them."""
 
-    def __init__(self, staleness: int, steps: int, readers: Readers, play: Callable[[int, VersionView], Any]):
+    def __init__(self, staleness: int, steps: int, readers: Readers, play: Callable[[int, VersionView], Any],
+                 first_step: int = 0):
+        """`first_step`: a fresh run's 0 or a resumed run's step (the versions it samples from must be held)."""
         self.staleness, self.steps, self.readers, self.play = staleness, steps, readers, play
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinkerless-rollouts")
         self._futures: dict[int, Future] = {}
-        self._next = 0  # the next step whose rollouts are not started yet
-
-    def start(self, step: int) -> None:
-        """Go on from step `step` (a fresh run's 0, or a resumed run's): its versions must be held."""
-        self._next = step
+        self._next = first_step  # the next step whose rollouts are not started yet
 
     def fill(self, current: int) -> None:
         """Start the rollouts of every step up to `current` + k whose version is held."""

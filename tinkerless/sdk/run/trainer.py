@@ -364,9 +364,7 @@ class _Run:
         self.readers.open(self.step, k, self._reader_versions, lambda policies: (
             self.checkpoints.store.restore(policies, [], step=self.step, driver=False)))
         self._play_cursor = self.cursor
-        pipeline = RolloutPipeline(k, self.config.steps, self.readers, self._play)
-        pipeline.start(self.step)
-        return pipeline
+        return RolloutPipeline(k, self.config.steps, self.readers, self._play, first_step=self.step)
 
     def _advance_pipeline(self) -> None:
         """After step `self.step - 1` committed: publish the new version, free the ones no step samples from."""

@@ -1,0 +1,45 @@
+"""Errors across the wire: a failed call's exception as an `ErrorReply`, and a reply raised back as its error.
+
+`error_reply` is what every function host answers with (a Worker, a sharded group, a reader process). Read back,
+the error's own class when this side knows it and can build it from a message and a hint; else a `RemoteError`
+that keeps the remote type, category, traceback and hint. Clients (`sdk/backends`) and the sharded update's
+driver (`functions/sharding`, reading its rank 0's replies) raise replies the same way.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from tinkerless.errors import RemoteError, TinkerlessError, error_class_for
+from tinkerless.wire.messages import ErrorReply
+
+
+def error_reply(exc: Exception) -> ErrorReply:
+    """The structured reply for a call that raised `exc` (call inside the `except` block: it keeps the traceback)."""
+    return ErrorReply(
+        error=getattr(exc, "message", str(exc)),
+        category=exc.category if isinstance(exc, TinkerlessError) else "server",
+        type=type(exc).__name__,
+        traceback=traceback.format_exc(),
+        hint=getattr(exc, "hint", None),
+    )
+
+
+def raise_error_reply(reply: ErrorReply, *, where: str) -> None:
+    cls = error_class_for(reply.type)
+    error = None
+    if cls is not None and cls is not RemoteError:
+        try:
+            error = cls(reply.error, hint=reply.hint)
+        except TypeError:  # a class with its own constructor (SequenceReused): reported as a RemoteError
+            error = None
+    if error is None:
+        error = RemoteError(
+            f"{where} failed: {reply.type}: {reply.error}",
+            category=reply.category,
+            remote_type=reply.type,
+            traceback=reply.traceback,
+            hint=reply.hint,  # what to do about it: a server-side error class the client does not know keeps it too
+        )
+    error.remote_traceback = reply.traceback  # type: ignore[attr-defined]
+    raise error
