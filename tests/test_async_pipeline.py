@@ -207,6 +207,79 @@ def test_a_reader_refuses_files_or_weights_that_are_not_the_writers(reader_backe
         writer.sample([[3, 4]], params=SamplingParams(max_tokens=2))
 
 
+class HotLoadingLLM:
+    """Stands in for vLLM's `LLM` (vLLM needs a GPU and cannot be installed here): it hot-loads each LoRA
+    request's adapter directory into a transformers Worker of its own, as vLLM loads it, and answers
+    `prompt_logprobs` from it. `stale=True` keeps serving the first adapter it loaded: the silent failure."""
+
+    def __init__(self, model_path: str, stale: bool = False):
+        self.worker = Worker(model_path, engine="transformers", threads=1)
+        self.stale, self.loaded = stale, None
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+        from types import SimpleNamespace
+
+        if lora_request is not None and not (self.stale and self.loaded):
+            files = {f"adapter/{n}": (Path(lora_request.path) / n).read_bytes() for n in os.listdir(lora_request.path)}
+            self.worker.load_state(LoadStateRequest(PolicyState("served", files), include_optimizer=False))
+            self.loaded = lora_request.path
+        tokens = prompts[0]["prompt_token_ids"]
+        row = Datum(np.asarray(tokens, np.int32), np.ones(len(tokens), np.float32))
+        logprobs = self.worker.forward(ForwardRequest("served", [row])).logprobs[0]
+        steps = [None] + [{t: SimpleNamespace(logprob=float(v))} for t, v in zip(tokens[1:], logprobs[1:])]
+        return [SimpleNamespace(prompt_logprobs=steps)]
+
+
+@pytest.fixture
+def stand_in_vllm(monkeypatch):
+    """The vllm modules the engine imports, with `LLM` a HotLoadingLLM (what `stale` says)."""
+    import types
+
+    from tinkerless.functions.sampling import vllm_engine
+
+    made = {}
+    modules = {name: types.ModuleType(name) for name in ("vllm", "vllm.inputs", "vllm.lora", "vllm.lora.request")}
+    modules["vllm"].LLM = lambda model, **kwargs: made.setdefault("llm", HotLoadingLLM(model, stale=made["stale"]))
+    modules["vllm"].SamplingParams = dict
+    modules["vllm.inputs"].TokensPrompt = dict
+    modules["vllm.lora.request"].LoRARequest = lambda name, int_id, path: types.SimpleNamespace(
+        lora_name=name, lora_int_id=int_id, path=path)
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
+    return made
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["hot-loads", "keeps-an-old-adapter"])
+def test_the_vllm_engine_proves_each_adapter_version_it_hot_loads(tiny_model, stand_in_vllm, stale):
+    """The first use of a policy version in vLLM runs the probe through vLLM and compares it with the worker's own
+    copy: a fresh load passes (and is not proven again), an engine still serving the old weights is refused."""
+    from tinkerless.functions.handoff import WeightSyncError
+    from tinkerless.wire.messages import AdamParams, CreatePolicyRequest, UpdateRequest
+    from tinkerless.functions.losses import LossConfig
+
+    stand_in_vllm["stale"] = stale
+    worker = Worker(tiny_model, engine="vllm", threads=1)
+    worker.create_policy(CreatePolicyRequest("p", LoraConfig(rank=4, seed=3)))
+    first = worker.engine._lora_request("p")
+    assert first.lora_int_id == worker.engine._lora_request("p").lora_int_id == 1  # the same id, proven once
+    assert list(worker.engine.probe_gaps) == ["p@0"] and worker.engine.probe_gaps["p@0"] <= 1e-3
+    tokens, _ = worker._probe("p")
+    probe = np.asarray(tokens, np.int32)
+    ones = np.ones(len(probe), np.float32)
+    for _ in range(3):  # trained on the probe itself, so its log-probs move well past the engine's tolerance
+        worker.update(UpdateRequest("p", [Datum(probe, ones, advantages=ones * 5, sampler_logprobs=-ones)],
+                                    LossConfig(name="importance_sampling"), AdamParams(learning_rate=0.05)))
+    if not stale:
+        assert worker.engine._lora_request("p").lora_int_id == 2 and worker.engine.probe_gaps["p@3"] <= 1e-3
+        return
+    with pytest.raises(WeightSyncError, match=r"policy 'p' version 3: after loading, the vLLM engine's log-probs"):
+        worker.engine._lora_request("p")
+    assert "p@3" not in worker.engine._lora_ids  # not kept: the next use checks again
+    with pytest.raises(WeightSyncError):
+        worker.engine._lora_request("p")
+
+
 def test_on_modal_the_rollouts_of_the_next_step_run_while_the_update_runs(tiny_model, tmp_path):
     """Function.local() stands in for the containers: the call timeline shows a rollout call in flight while an
     update call runs, and the run equals the same async run on the local backend (readers load each version from

@@ -408,6 +408,7 @@ def test_the_vllm_engine_keeps_one_lora_id_per_policy_version(monkeypatch):
     version = {"p": 1}
     engine = object.__new__(VLLMEngine)  # no GPU here: only the request-building half
     engine.adapter_dir, engine._lora_ids = (lambda policy: (f"/adapters/{policy}/v{version[policy]}", str(version[policy]))), {}
+    engine.expected_probe = None  # (proving a hot-loaded version: tests/test_async_pipeline.py)
     first, again = engine._lora_request("p"), engine._lora_request("p")
     version["p"] = 2
     updated = engine._lora_request("p")

@@ -183,8 +183,7 @@ def test_sky_task_files_take_accelerators_type_colon_count(sky, tmp_path):
         copy.write_text(yaml.safe_dump(raw))
         task = sky.Task.from_yaml(str(copy))
         assert {tuple(r.accelerators.items()) for r in task.resources} == {(("H100", 4),)}, path.name
-        if path.name != "managed-job.yaml":  # the servers train over every GPU of the node
-            assert '--gpus "${SKYPILOT_NUM_GPUS_PER_NODE:-1}"' in task.run, path.name
+        assert '--gpus "${SKYPILOT_NUM_GPUS_PER_NODE:-1}"' in task.run, path.name  # every GPU of the node trains
 
 
 def test_sky_drops_gpu_options_the_model_cannot_fit_and_refuses_when_none_can(sky, tl_home, tmp_path, monkeypatch):

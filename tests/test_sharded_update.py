@@ -1,5 +1,7 @@
 """The sharded update (issue #27) on CPU: two ranks under FSDP2 with gloo, spawned processes, the tiny model.
 
+- rank 0 alone reads the weights; the others build the model on the meta device and get their shards from it;
+
 - one sharded forward_backward + optim_step gives the single-process Worker's LoRA weights, optimizer moments,
   metrics and log-probs, to float tolerance (an odd number of micro-batches: a rank makes an idle pass; long
   rows recompute their layers in backward);
@@ -98,9 +100,18 @@ def reference(tiny_model, small_budget):
     return {"first": first, "one": one, "forward": logprobs, "second": second, "two": two}
 
 
+def weights_read_by_rank_0_alone(worker) -> None:
+    """A rank hook: rank 0 holds the weights in host memory, the other ranks only the architecture (meta), so a
+    machine holds one host copy of the model however many ranks it runs."""
+    where = {p.device.type for p in worker.base_model.parameters()}
+    if where != ({"cpu"} if worker.rank == 0 else {"meta"}):
+        raise AssertionError(f"rank {worker.rank} loaded its base weights on {where}")
+
+
 @pytest.fixture(scope="module")
 def sharded(tiny_model, small_budget):
-    group = ShardedWorker(tiny_model, world_size=2, device="cpu", micro_batch_size=2, grace_s=5.0)
+    group = ShardedWorker(tiny_model, world_size=2, device="cpu", micro_batch_size=2, grace_s=5.0,
+                          rank_hook=weights_read_by_rank_0_alone)
     yield group
     group.close()
 
@@ -142,6 +153,38 @@ def test_saved_on_two_ranks_loads_on_one_and_the_other_way_round(tiny_model, sha
         assert_same_state(moved.save_state(SaveStateRequest("p")), reference["two"])
     finally:
         moved.close()
+
+
+def refuse_fsdp_on_one_rank(worker) -> None:
+    """A rank hook: forward_backward fails if the model was wrapped by FSDP2 (one rank must keep the plain model)."""
+    original = worker.forward_backward
+
+    def forward_backward(request):
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in worker.model.modules()):
+            raise AssertionError("FSDP2 over one rank")
+        return original(request)
+
+    worker.forward_backward = forward_backward
+
+
+def test_one_rank_keeps_the_plain_model_and_trains_as_one_process(tiny_model, small_budget, reference):
+    """World size 1 (one GPU, or `serve --gpus 1`): the same process, pipe and gathers as N ranks, but no FSDP2
+    (it would only add gathers and copies). A single process's state loads there and trains on identically, and a
+    second policy is made in place, with no rebuild."""
+    one = ShardedWorker(tiny_model, world_size=1, device="cpu", micro_batch_size=2, rank_hook=refuse_fsdp_on_one_rank)
+    try:
+        assert one.load_state(LoadStateRequest(reference["one"])) == {"policy": "p", "policy_version": 1}
+        one.update(UpdateRequest("p", batch(1), LossConfig(), ADAM))
+        assert_same_state(one.save_state(SaveStateRequest("p")), reference["two"])
+        assert one.create_policy(CreatePolicyRequest("q", LORA)) == {"policy": "q", "created": True}
+        first = one.update(UpdateRequest("q", batch(0), LossConfig(), ADAM))
+        for key, value in reference["first"].metrics.items():
+            assert first.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        assert one.info()["policies"] == {"p": 2, "q": 1}
+    finally:
+        one.close()
 
 
 def die_in_forward_backward(worker, marker: str) -> None:
@@ -228,3 +271,53 @@ def test_a_second_policy_rebuilds_the_ranks_and_every_policy_keeps_its_state(tin
         torch.testing.assert_close(weights(reset)[key], value)
     assert sharded.delete_policy(DeletePolicyRequest("q"))["deleted"] and set(sharded.policies) == {"p"}
     assert_same_state(sharded.save_state(SaveStateRequest("p")), reference["one"])
+
+
+def test_a_local_run_over_two_gpus_trains_as_one_process_does(tmp_path, tiny_model, monkeypatch):
+    """`TrainConfig.gpus` (`tinkerless train --gpus N`, what the managed SkyPilot job passes on a node of N GPUs):
+    the update trains over N ranks and this process samples from their adapter. On a CPU the ranks are gloo
+    processes; the run matches a one-process run step for step, to float tolerance."""
+    import tinkerless
+    from tinkerless.functions.sharding import split
+
+    made = []
+    original = split.SplitWorker.__init__
+
+    def recording(self, model, *, ranks, **options):
+        made.append(ranks)
+        original(self, model, ranks=ranks, **options)
+
+    monkeypatch.setattr(split.SplitWorker, "__init__", recording)
+
+    @tinkerless.reward
+    def short(completion, task):
+        return -len(completion) / 10
+
+    def run(name: str, gpus: int):
+        return tinkerless.train(model=tiny_model, reward=short, tasks=lambda rng: {"prompt": f"n {rng.randint(0, 9)}"},
+                                steps=3, batch_size=2, group_size=4, max_tokens=6, temperature=1.0, learning_rate=3e-2,
+                                checkpoint_every=3, seed=5, storage=str(tmp_path / name), progress=False, run_id="r",
+                                threads=2, gpus=gpus)
+
+    one, two = run("one", 1), run("two", 2)
+    assert made == [2]
+    assert [r["reward_mean"] for r in two.metrics] == [r["reward_mean"] for r in one.metrics]
+    for a, b in zip(one.metrics, two.metrics):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    adapter = "runs/r/checkpoints/step-3/adapter/adapter_model.safetensors"
+    ours, theirs = (load_safetensors((tmp_path / name / adapter).read_bytes()) for name in ("two", "one"))
+    for key in theirs:
+        # Three Adam steps at lr 3e-2 carry the ranks' other summation order on: ~1e-5 of each tensor at most.
+        torch.testing.assert_close(ours[key], theirs[key], atol=1e-4, rtol=1e-4, msg=key)
+        assert float((ours[key] - theirs[key]).norm() / theirs[key].norm()) < 1e-4, key
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", 65])
+def test_gpus_that_are_not_a_count_of_gpus_are_config_errors(bad):
+    import tinkerless
+    from tinkerless.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="gpus must be a whole number from 1 to 64"):
+        tinkerless.TrainConfig(model="m", reward=lambda completion, task: 0.0, gpus=bad).validate()
+    with pytest.raises(ConfigError, match="gpus is a setting of the local backend"):
+        tinkerless.TrainConfig(model="m", reward=lambda completion, task: 0.0, gpus=2, backend="modal").validate()

@@ -112,6 +112,34 @@ def test_a_group_over_the_activation_budget_goes_the_plain_way(lora_worker, monk
     assert_grads_close(grads(lora_worker), expected)
 
 
+def test_a_group_over_the_budget_is_cut_into_sub_groups_that_share_its_prompt(lora_worker, monkeypatch):  # noqa: F811
+    """A multi-turn batch opens every row with the same system prompt and first message: one group of every row,
+    too big for one micro-batch. It runs as several sub-groups, each sharing the prompt, with the plain loss."""
+    from tinkerless.wire.messages import Datum
+
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 256, size=30)
+    data = []
+    for s in range(8):
+        tokens = np.concatenate([prompt, rng.integers(0, 256, size=20 + 3 * s)])
+        mask = np.zeros(len(tokens), dtype=np.float32)
+        mask[30:] = 1.0
+        mask[30 + 8: 30 + 12] = 0.0  # the env's reply between two sampled turns
+        data.append(Datum(tokens=tokens, mask=mask, advantages=mask * float(rng.normal()),
+                          sampler_logprobs=np.where(mask > 0, -2.0, 0.0).astype(np.float32)))
+    per_token = training.plan_micro_batches.__globals__["activation_bytes_per_token"](lora_worker.model)
+    monkeypatch.setenv("TINKERLESS_ACTIVATION_MB", str(150 * per_token / 2**20))  # room for 150 tokens
+    plan, plain_rows = training._shared_plan(lora_worker.model, data, [d.mask for d in data], 16)
+    parts = [part for micro in plan for part in micro.groups]
+    assert len(parts) >= 3 and all(part.prefix == 30 for part in parts)
+    assert len([i for part in parts for i in part.rows]) + len(plain_rows) == 8 and len(plain_rows) <= 1
+    expected_loss, _, _ = reference(lora_worker.model, data, LossConfig(), lora_worker.pad_id)
+    expected = grads(lora_worker)
+    metrics, _ = training.forward_backward(lora_worker.model, data, LossConfig(), lora_worker.pad_id, 16)
+    assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
+    assert_grads_close(grads(lora_worker), expected)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     groups=st.lists(st.tuples(st.integers(1, 60), st.lists(st.integers(1, 40), min_size=1, max_size=6)), max_size=12),
@@ -134,5 +162,12 @@ def test_shared_plans_cover_every_row_once_within_rows_and_tokens(groups, micro_
         width = max(g.prefix for g in micro.groups)
         suffix = max(lengths[i] - g.prefix for g in micro.groups for i in g.rows)
         assert len(micro.groups) * width + len(rows) * suffix <= budget
-    for g in prefix_groups:  # a group is never split: all planned together, or all rejected
-        assert set(g.rows) <= set(rejected) or any(set(g.rows) <= set(m.rows) for m in plan)
+    owner = {i: g for g in prefix_groups for i in g.rows}
+    for micro in plan:  # a group is planned in sub-groups of two or more of its own rows, under its own prefix
+        for part in micro.groups:
+            assert len(part.rows) >= 2
+            assert all(owner[i] is owner[part.rows[0]] for i in part.rows) and part.prefix == owner[part.rows[0]].prefix
+    for g in prefix_groups:  # what fits as a whole stays whole
+        fits = len(g.rows) <= micro_batch_size and g.prefix + len(g.rows) * max(lengths[i] - g.prefix for i in g.rows) <= budget
+        if fits and len(g.rows) >= 2:
+            assert any(set(g.rows) <= set(m.rows) for m in plan)

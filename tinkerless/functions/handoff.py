@@ -9,7 +9,9 @@ log-probs of a fixed probe sequence. A reader that loads that version checks bot
   hash cannot see: a load that did not take, an adapter applied to another base, another precision).
 
 A mismatch is a `WeightSyncError` naming the policy, the version and both values; the reader serves nothing from
-that version. Modal's readers use it (`cloud/modal_app.py`); so will any other reader of a committed version.
+that version. Modal's readers (`cloud/modal_app.py`) and the local reader processes
+(`sdk/backends/reader_processes.py`) check what they load; the vLLM engine checks each adapter version it hot-loads
+against its worker's own copy (`sampling/vllm_engine.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ PROBE_LENGTH = 16
 # How far a reader's probe log-probs may be from the writer's: the same weights in the same dtype on the same
 # kind of device agree to float rounding; bf16 kernels on different GPUs may differ a little more.
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2}
+# vLLM against the worker's own copy: other kernels (fused, paged attention), bf16 throughout, so a wider band.
+# Still far below what a skipped or stale adapter moves a trained policy's probe by (tests/test_async_pipeline.py).
+ENGINE_TOLERANCE = 0.25
 
 
 class WeightSyncError(TinkerlessError):
@@ -101,13 +106,21 @@ def check_loaded(worker: Any, proof: VersionProof) -> float:
     """After loading: this worker's probe log-probs equal the writer's within the dtype's tolerance. The largest
     difference, which the caller may log."""
     ours = probe_logprobs(worker, proof.policy, proof.probe_tokens)
-    gap = float(np.max(np.abs(np.asarray(ours) - np.asarray(proof.probe_logprobs)))) if ours else 0.0
     dtypes = {proof.dtype, dtype_name(worker.dtype)}
     tolerance = max(TOLERANCE.get(d, TOLERANCE["bf16"]) for d in dtypes)
+    return compare_probe(proof.policy, proof.version, ours, proof.probe_logprobs, tolerance,
+                         who="this worker", against="the writer's", precision="/".join(sorted(dtypes)))
+
+
+def compare_probe(policy: str, version: int | str, ours: list[float], theirs: list[float], tolerance: float, *,
+                  who: str, against: str, precision: str) -> float:
+    """The largest difference between two sets of probe log-probs, or a `WeightSyncError` naming both."""
+    gap = float(np.max(np.abs(np.asarray(ours) - np.asarray(theirs)))) if ours and len(ours) == len(theirs) else (
+        0.0 if not ours and not theirs else float("inf"))
     if not gap <= tolerance:
         raise WeightSyncError(
-            f"policy {proof.policy!r} version {proof.version}: after loading, this worker's log-probs of the probe "
-            f"sequence differ from the writer's by {gap:.3g} (tolerance {tolerance:g} for {'/'.join(sorted(dtypes))}): "
-            f"ours {[round(v, 4) for v in ours[:4]]}..., the writer's {[round(v, 4) for v in proof.probe_logprobs[:4]]}...",
+            f"policy {policy!r} version {version}: after loading, {who}'s log-probs of the probe sequence differ from "
+            f"{against} by {gap:.3g} (tolerance {tolerance:g} for {precision}): "
+            f"ours {[round(v, 4) for v in ours[:4]]}..., {against} {[round(v, 4) for v in theirs[:4]]}...",
             hint="the loaded adapter is not the one the writer trained (another base model or precision?)")
     return gap

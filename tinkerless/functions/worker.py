@@ -155,11 +155,18 @@ class Worker:
             raise ConfigError(f"unknown engine {engine!r}", hint="engine='auto', 'transformers' or 'vllm'")
         if engine == "vllm" or (engine == "auto" and vllm_available()):
             parallel = vllm_parallel(self.tensor_parallel_size)
-            return VLLMEngine(resolve_model(self.model_name), self._adapter_snapshot, **parallel)
+            return VLLMEngine(resolve_model(self.model_name), self._adapter_snapshot, expected_probe=self._probe, **parallel)
         return TransformersEngine(
             self.base_model, self.tokenizer, self.chat.eos_token_ids, self._activate, max_batch_size=max_batch_size,
             adapter_of=self.adapters.adapter_name,
         )
+
+    def _probe(self, policy: str) -> tuple[list[int], list[float]]:
+        """The hand-off's probe tokens and this worker's log-probs of them under `policy` as it is now."""
+        from tinkerless.functions import handoff
+
+        tokens = handoff.probe_tokens(self.vocab_size)
+        return tokens, handoff.probe_logprobs(self, policy, tokens)
 
     def _adapter_snapshot(self, policy: str) -> tuple[str, str] | None:
         """The policy's current adapter as a PEFT directory (written once per version) for the vLLM engine."""

@@ -81,6 +81,7 @@ class TrainConfig:
     dtype: str = "auto"  # base weights: auto (bf16 on a GPU that supports it, else fp32) | bf16 | fp32
     threads: int | None = None  # local CPU threads; None: OMP_NUM_THREADS, else free usable cores (docs/threads.md)
     rollout_workers: int = 0  # local backend: sample in this many processes of their own beside the writer (docs/async.md)
+    gpus: int = 1  # local backend: train over this many GPUs of this machine as FSDP2 ranks, sampling on the first (docs/scaling.md)
     max_staleness: int = 0  # k: step s samples from policy version max(0, s-k) while earlier updates run; 0: synchronous
     storage: str = "."
     # fsspec options for `storage`, e.g. {"client_kwargs": {"endpoint_url": "https://<acct>.r2.cloudflarestorage.com"}};
@@ -103,6 +104,14 @@ class TrainConfig:
     # experiment trackers
     report_to: list[str] = dataclasses.field(default_factory=list)  # wandb | tensorboard | mlflow, logged from the client (docs/tracking.md)
 
+    def local_backend_options(self) -> dict:
+        """What only the local backend takes: its threads, reader processes and GPUs (the settings left at their
+        defaults are left out)."""
+        if self.backend != "local":
+            return {}
+        chosen = {"threads": self.threads, "rollout_workers": self.rollout_workers, "gpus": self.gpus if self.gpus > 1 else 0}
+        return {name: value for name, value in chosen.items() if value}
+
     def validate(self) -> None:
         if self.algo not in ALGORITHMS:
             raise ConfigError(f"unknown algo {self.algo!r}", hint=f"one of {', '.join(ALGORITHMS)}")
@@ -124,6 +133,13 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= most:
                 raise ConfigError(f"{name} must be a whole number from 0 to {most}, got {value!r}",
                                   hint="see docs/async.md: e.g. max_staleness=1 with rollout_workers=1")
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, numbers.Integral) or not 1 <= self.gpus <= 64:
+            raise ConfigError(f"gpus must be a whole number from 1 to 64, got {self.gpus!r}",
+                              hint="the GPUs of this machine the update trains over, e.g. gpus=4 (docs/scaling.md)")
+        if self.gpus > 1 and self.backend != "local":
+            raise ConfigError(f"gpus is a setting of the local backend, not of backend={self.backend!r}",
+                              hint="Modal: ModalConfig(update=ClassSpec(gpu='H100:4')); SkyPilot: accelerators: H100:4; "
+                              "a server: tinkerless serve --gpus 4 (docs/scaling.md)")
         if self.rollout_workers and self.backend != "local":
             raise ConfigError(f"rollout_workers is a setting of the local backend, not of backend={self.backend!r}",
                               hint="on Modal the rollout containers are the readers (ModalConfig); drop rollout_workers")

@@ -22,6 +22,7 @@ import math
 from typing import Callable
 
 from tinkerless.errors import ConfigError
+from tinkerless.functions.handoff import ENGINE_TOLERANCE, compare_probe
 from tinkerless.functions.sampling.engine import Generation, row_seed
 from tinkerless.wire.messages import GREEDY_BELOW, SamplingParams
 
@@ -46,8 +47,11 @@ class VLLMEngine:
         max_lora_rank: int = 64,
         gpu_memory_utilization: float = 0.5,
         tensor_parallel_size: int = 1,
+        expected_probe: Callable[[str], tuple[list[int], list[float]]] | None = None,
     ):
-        """`tensor_parallel_size`: sample from a model split over that many GPUs (one too large for one GPU)."""
+        """`tensor_parallel_size`: sample from a model split over that many GPUs (one too large for one GPU).
+        `expected_probe(policy)`: the probe tokens and the log-probs the policy's current version gives them (the
+        worker's own copy); each adapter version is checked against them the first time vLLM loads it."""
         if not vllm_available():
             raise ConfigError(
                 "the vLLM engine needs the vllm package and a CUDA GPU",
@@ -57,6 +61,8 @@ class VLLMEngine:
 
         self.adapter_dir = adapter_dir  # policy -> (directory of its latest PEFT adapter, version tag), or None
         self._lora_ids: dict[str, int] = {}
+        self.expected_probe = expected_probe
+        self.probe_gaps: dict[str, float] = {}  # adapter version -> the largest probe difference found
         self.llm = LLM(
             model=model_path,
             enable_lora=True,
@@ -75,9 +81,31 @@ class VLLMEngine:
 
         # A new integer id per adapter version makes vLLM load the fresh weights.
         key = f"{policy}@{version_tag}"
-        if key not in self._lora_ids:
-            self._lora_ids[key] = len(self._lora_ids) + 1
-        return LoRARequest(key, self._lora_ids[key], path)
+        if key in self._lora_ids:
+            return LoRARequest(key, self._lora_ids[key], path)
+        lora_id = len(self._lora_ids) + 1
+        request = LoRARequest(key, lora_id, path)
+        if self.expected_probe is not None:
+            # Hot-loading can fail silently (an old id's weights kept, an adapter not applied): the first use of a
+            # version proves what vLLM computes with it. A mismatch raises, and the version is not kept, so no
+            # rollout samples from it and the next call checks again.
+            tokens, expected = self.expected_probe(policy)
+            ours = self.prompt_logprobs(tokens, request)
+            self.probe_gaps[key] = compare_probe(policy, version_tag, ours, expected, ENGINE_TOLERANCE,
+                                                 who="the vLLM engine", against="the worker's copy", precision="vLLM")
+        self._lora_ids[key] = lora_id
+        return request
+
+    def prompt_logprobs(self, tokens: list[int], lora_request) -> list[float]:
+        """vLLM's log-probs of `tokens[1:]`, each given the tokens before it, under `lora_request`'s adapter."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        output = self.llm.generate([TokensPrompt(prompt_token_ids=list(tokens))],
+                                   VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                                   lora_request=lora_request, use_tqdm=False)[0]
+        # Entry 0 is None (no prefix); each later one holds the prompt's own token among its top ids.
+        return [float(step[token].logprob) for step, token in zip(output.prompt_logprobs[1:], tokens[1:])]
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,

@@ -83,7 +83,8 @@ class ShardedWorker:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_RANKS:
             raise ConfigError(f"world_size={world_size!r} is not a number of ranks from 1 to {MAX_RANKS}")
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        device = device or ("cuda" if gpus >= world_size else "cpu")
+        # A machine with GPUs trains on them: too few is an error, never a silent fall back to CPU ranks.
+        device = device or ("cuda" if gpus else "cpu")
         if device not in ("cuda", "cpu"):
             raise ConfigError(f"device={device!r}: a sharded update runs on 'cuda' or 'cpu'")
         if device == "cuda" and gpus < world_size:

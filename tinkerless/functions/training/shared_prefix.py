@@ -14,8 +14,10 @@ its rows' gradients, which is exactly what the per-row computation sums: the los
 log-probs equal the plain path's up to float rounding (`tests/test_shared_prefix.py`), in
 ~(L + group_size * S) / (group_size * (L + S)) of the tokens (0.4 for the example above).
 
-Rows with no partner, whose shared part is short, or whose group does not fit the activation
-budget without recompute go through the plain path (`training.forward_backward`).
+A group too large for one micro-batch (a multi-turn batch: every row opens with the same system prompt and
+first message) runs as several sub-groups, each sharing the prefix. Rows with no partner, whose shared part is
+short, or that fit no sub-group of two within the activation budget go through the plain path
+(`training.forward_backward`).
 """
 
 from __future__ import annotations
@@ -77,8 +79,10 @@ def plan_shared(groups: list[PrefixGroup], lengths: list[int], micro_batch_size:
                 ) -> tuple[list[SharedMicroBatch], list[int]]:
     """Groups packed into micro-batches within `micro_batch_size` rows and `token_budget` padded tokens.
 
-    A group that alone exceeds either limit is handed back (its rows go the plain way, which can split
-    them and recompute). Groups are sorted by size so that little goes into padding.
+    A group over either limit is cut into sub-groups of similar lengths that fit, each running the prefix once
+    (a multi-turn batch whose rows all open with the same system prompt and first message is one group of
+    every row); rows that fit no sub-group of two are handed back (they go the plain way, which can split them
+    and recompute). Groups are sorted by size so that little goes into padding.
     """
     def cost(members: list[PrefixGroup]) -> int:
         width = max(g.prefix for g in members)
@@ -87,11 +91,13 @@ def plan_shared(groups: list[PrefixGroup], lengths: list[int], micro_batch_size:
 
     plan: list[SharedMicroBatch] = []
     rejected: list[int] = []
+    fitting: list[PrefixGroup] = []
+    for group in groups:
+        parts, left_out = _split_to_fit(group, lengths, micro_batch_size, token_budget)
+        fitting.extend(parts)
+        rejected.extend(left_out)
     current: list[PrefixGroup] = []
-    for group in sorted(groups, key=lambda g: (-g.prefix, -max(lengths[i] for i in g.rows), g.rows[0])):
-        if len(group.rows) > micro_batch_size or cost([group]) > token_budget:
-            rejected.extend(group.rows)
-            continue
+    for group in sorted(fitting, key=lambda g: (-g.prefix, -max(lengths[i] for i in g.rows), g.rows[0])):
         trial = current + [group]
         if current and (sum(len(g.rows) for g in trial) > micro_batch_size or cost(trial) > token_budget):
             plan.append(SharedMicroBatch(current))
@@ -100,6 +106,30 @@ def plan_shared(groups: list[PrefixGroup], lengths: list[int], micro_batch_size:
     if current:
         plan.append(SharedMicroBatch(current))
     return plan, sorted(rejected)
+
+
+def _split_to_fit(group: PrefixGroup, lengths: list[int], micro_batch_size: int, token_budget: int
+                  ) -> tuple[list[PrefixGroup], list[int]]:
+    """`group` as sub-groups within `micro_batch_size` rows and `token_budget` tokens (longest rows first, so
+    each sub-group pads little), and the rows left alone: a sub-group of one saves nothing over the plain way."""
+    parts: list[PrefixGroup] = []
+    left_out: list[int] = []
+    chunk: list[int] = []
+
+    def close() -> None:
+        if len(chunk) >= 2:
+            parts.append(PrefixGroup(list(chunk), group.prefix))
+        else:
+            left_out.extend(chunk)
+
+    for row in sorted(group.rows, key=lambda i: (-lengths[i], i)):
+        widest = lengths[chunk[0]] if chunk else lengths[row]  # the first row is the longest
+        if chunk and (len(chunk) + 1 > micro_batch_size or group.prefix + (len(chunk) + 1) * (widest - group.prefix) > token_budget):
+            close()
+            chunk = []
+        chunk.append(row)
+    close()
+    return parts, left_out
 
 
 @dataclass

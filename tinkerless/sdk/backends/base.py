@@ -33,11 +33,13 @@ class Backend(Protocol):
 
 class LocalBackend:
     """Runs the functions on this machine's CPU (or GPU if present): in this process, or with
-    `rollout_workers=N` the sampling calls in N processes of their own (`reader_processes`)."""
+    `rollout_workers=N` the sampling calls in N processes of their own (`reader_processes`). With `gpus=N` (N > 1)
+    the update trains over N GPUs as FSDP2 ranks and this process samples on the first (`sharding.split`); on a
+    machine without GPUs the ranks are CPU processes (gloo)."""
 
     name = "local"
 
-    def __init__(self, model: str, *, rollout_workers: int = 0, **worker_options: Any):
+    def __init__(self, model: str, *, rollout_workers: int = 0, gpus: int = 1, **worker_options: Any):
         from tinkerless.functions.worker import Worker  # torch/transformers load only when used
 
         if not isinstance(rollout_workers, int) or isinstance(rollout_workers, bool) or not 0 <= rollout_workers <= 64:
@@ -52,7 +54,12 @@ class LocalBackend:
             share = max(1, total // (rollout_workers + 1))
             self.readers = start_readers(model, rollout_workers, {**worker_options, "threads": share})
             worker_options["threads"] = max(1, total - share * rollout_workers)
-        self.worker = Worker(model, **worker_options)
+        if gpus > 1:
+            from tinkerless.functions.sharding.split import SplitWorker
+
+            self.worker = SplitWorker(model, ranks=gpus, **worker_options)
+        else:
+            self.worker = Worker(model, **worker_options)
         self._lock = threading.Lock()  # one model in this process: calls from several threads take turns
         self.usage = UsageMeter(source="the in-process worker", device=self.worker.device_name)
         self._changes: dict[str, int] = {}  # per policy: writer calls that may have changed it
@@ -77,6 +84,7 @@ class LocalBackend:
         if self.readers:
             stop_readers(self.readers)
             self.readers = []
+        getattr(self.worker, "close", lambda: None)()  # a SplitWorker's ranks
 
     # -- readers in processes of their own ------------------------------------------------
 

@@ -91,6 +91,7 @@ _OVERRIDES = {
     "threads": int,
     "max_staleness": int,
     "rollout_workers": int,
+    "gpus": int,
     "init_from": str,
     "report_to": tracker_names,  # --report-to wandb,tensorboard (or the flag once per tracker); none: no trackers
 }

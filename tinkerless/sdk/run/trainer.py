@@ -100,9 +100,7 @@ class _Run:
         self.backend = with_usage(
             backend
             or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size,
-                            dtype=config.dtype,
-                            **({"threads": config.threads} if config.backend == "local" and config.threads else {}),
-                            **({"rollout_workers": config.rollout_workers} if config.rollout_workers else {}))
+                            dtype=config.dtype, **config.local_backend_options())
         )
         try:
             # The run's state and checkpoints: in `storage`, or on the server the backend talks to.
