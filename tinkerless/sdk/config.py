@@ -29,6 +29,24 @@ DEFAULT_ENV_MAX_TURNS = 16
 DEFAULT_SINGLE_TURN_MAX_TURNS = 1
 
 
+def check_gpus(gpus: Any, backend: Any) -> None:
+    """`gpus`: a count of this machine's GPUs, and a setting of the local backend only."""
+    if isinstance(gpus, bool) or not isinstance(gpus, numbers.Integral) or not 1 <= gpus <= 64:
+        raise ConfigError(f"gpus must be a whole number from 1 to 64, got {gpus!r}",
+                          hint="the GPUs of this machine the update trains over, e.g. gpus=4 (docs/scaling.md)")
+    if gpus > 1 and backend != "local":
+        raise ConfigError(f"gpus is a setting of the local backend, not of backend={backend!r}",
+                          hint="Modal: ModalConfig(update=ClassSpec(gpu='H100:4')); SkyPilot: accelerators: H100:4; "
+                          "a server: tinkerless serve --gpus 4 (docs/scaling.md)")
+
+
+def local_backend_options(backend: Any, **chosen: Any) -> dict:
+    """What only the local backend takes (threads, reader processes, GPUs), without the settings at their defaults."""
+    if backend != "local":
+        return {}
+    return {name: value for name, value in chosen.items() if value and not (name == "gpus" and value == 1)}
+
+
 @dataclass
 class TrainConfig:
     """Every setting of a run; each field's default and meaning: docs/config.md (`tinkerless config-reference`)."""
@@ -105,12 +123,7 @@ class TrainConfig:
     report_to: list[str] = dataclasses.field(default_factory=list)  # wandb | tensorboard | mlflow, logged from the client (docs/tracking.md)
 
     def local_backend_options(self) -> dict:
-        """What only the local backend takes: its threads, reader processes and GPUs (the settings left at their
-        defaults are left out)."""
-        if self.backend != "local":
-            return {}
-        chosen = {"threads": self.threads, "rollout_workers": self.rollout_workers, "gpus": self.gpus if self.gpus > 1 else 0}
-        return {name: value for name, value in chosen.items() if value}
+        return local_backend_options(self.backend, threads=self.threads, rollout_workers=self.rollout_workers, gpus=self.gpus)
 
     def validate(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -133,13 +146,7 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= most:
                 raise ConfigError(f"{name} must be a whole number from 0 to {most}, got {value!r}",
                                   hint="see docs/async.md: e.g. max_staleness=1 with rollout_workers=1")
-        if isinstance(self.gpus, bool) or not isinstance(self.gpus, numbers.Integral) or not 1 <= self.gpus <= 64:
-            raise ConfigError(f"gpus must be a whole number from 1 to 64, got {self.gpus!r}",
-                              hint="the GPUs of this machine the update trains over, e.g. gpus=4 (docs/scaling.md)")
-        if self.gpus > 1 and self.backend != "local":
-            raise ConfigError(f"gpus is a setting of the local backend, not of backend={self.backend!r}",
-                              hint="Modal: ModalConfig(update=ClassSpec(gpu='H100:4')); SkyPilot: accelerators: H100:4; "
-                              "a server: tinkerless serve --gpus 4 (docs/scaling.md)")
+        check_gpus(self.gpus, self.backend)
         if self.rollout_workers and self.backend != "local":
             raise ConfigError(f"rollout_workers is a setting of the local backend, not of backend={self.backend!r}",
                               hint="on Modal the rollout containers are the readers (ModalConfig); drop rollout_workers")

@@ -38,6 +38,7 @@ _SFT_FLAGS = {
     "engine": (str, "auto, transformers or vllm (default: auto)"),
     "dtype": (str, "base weights: auto (bf16 on a GPU that supports it, else fp32), bf16 or fp32 (default: auto)"),
     "threads": (int, "local CPU threads (default: OMP_NUM_THREADS, else the free usable cores)"),
+    "gpus": (int, "train over N GPUs of this machine as FSDP2 ranks (local backend; docs/scaling.md)"),
     "storage": (str, "a directory or fsspec URL for runs/ (default: .)"),
     "run_id": (str, "the run id (default: generated from --name)"),
     "checkpoint_every": (int, "steps between verified checkpoints; the last step is always saved (default: 5)"),

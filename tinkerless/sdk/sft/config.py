@@ -12,6 +12,7 @@ from typing import Any
 
 from tinkerless.functions.precision import check_dtype
 from tinkerless.errors import ConfigError
+from tinkerless.sdk.config import check_gpus
 from tinkerless.sdk.run.accounting import PriceTable
 from tinkerless.sdk.tracking.base import check_report_to
 
@@ -48,6 +49,7 @@ class SFTConfig:
     engine: str = "auto"
     dtype: str = "auto"  # base weights: auto (bf16 on a GPU that supports it, else fp32) | bf16 | fp32
     threads: int | None = None
+    gpus: int = 1  # local backend: train over this many GPUs of this machine as FSDP2 ranks (docs/scaling.md)
     storage: str = "."
     storage_options: dict | None = None
     run_id: str | None = None
@@ -82,6 +84,7 @@ class SFTConfig:
             raise ConfigError(f"init_from must be '<run_id>@<step>' or an adapter directory, got {self.init_from!r}")
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", str(self.run_id)):
             raise ConfigError(f"invalid run_id {self.run_id!r}", hint="letters, digits, '.', '_' and '-'")
+        check_gpus(self.gpus, self.backend)
         check_report_to(self.report_to)  # before any model loads
         self.price_table()
 

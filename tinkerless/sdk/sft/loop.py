@@ -31,6 +31,7 @@ from tinkerless.sdk.run.lifecycle import Heartbeat, heartbeat_interval, interrup
 from tinkerless.sdk.run.metrics import MetricsWriter, read_metrics
 from tinkerless.sdk.run.progress import Progress
 from tinkerless.sdk.backends.run_host import run_host_for
+from tinkerless.sdk.config import local_backend_options
 from tinkerless.sdk.sft.config import SFTConfig
 from tinkerless.sdk.sft.data import SFTExample, as_records, render_examples, split_holdout
 from tinkerless.sdk.sft.plot import plot_sft
@@ -117,7 +118,7 @@ class _SFTRun:
         self.backend = with_usage(
             backend
             or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size,
-                            dtype=config.dtype, **({"threads": config.threads} if config.backend == "local" and config.threads else {}))
+                            dtype=config.dtype, **local_backend_options(config.backend, threads=config.threads, gpus=config.gpus))
         )
         try:
             tokenizer, end_of_turn = load_tokenizer(self.backend, config.model)
