@@ -81,6 +81,71 @@ def test_step_s_samples_from_exactly_version_s_minus_k(tmp_path, tiny_model, mon
         assert scores[step] > 1e-3, f"the test needs versions that differ: {scores}"
 
 
+@tinkerless.env
+class Echoes:
+    """Three sampled turns with an observation between them (mask 0 inside the row)."""
+
+    def reset(self, start: int) -> str:
+        self.turn = start
+        return f"start at {start}"
+
+    def step(self, action: str) -> tinkerless.StepResult:
+        self.turn += 1
+        return tinkerless.StepResult(f"now {self.turn}", reward=sum(c in "aeiou" for c in action) / 10,
+                                     done=self.turn >= 3 + self.turn % 2)
+
+
+@tinkerless.agent
+async def two_replies(client, task):
+    """An agent function: two calls through the OpenAI client, the second one after a reply of the first."""
+    first = [{"role": "user", "content": f"say {task['n']}"}]
+    reply = await client.chat.completions.create(model="policy", messages=first, logprobs=True)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                      {"role": "user", "content": "again"}]
+    again = await client.chat.completions.create(model="policy", messages=second, logprobs=True)
+    return sum(c in "aeiou" for c in again.choices[0].message.content or "") / 10
+
+
+def _untrained_between_turns(mask: np.ndarray) -> bool:
+    trained = np.flatnonzero(mask)
+    return len(trained) > 0 and bool((mask[trained[0]: trained[-1]] == 0).any())
+
+
+@pytest.mark.parametrize("kind", ["env", "agent"])
+def test_env_and_agent_function_steps_sample_from_exactly_version_s_minus_k(tmp_path, tiny_model, monkeypatch, kind):
+    """The same exactness for a multi-turn env (observations between sampled turns) and for an agent function
+    (its OpenAI calls are served by the reader of version s - k): every sampled token's recorded log-prob is that
+    version's, not the newest one's."""
+    from tinkerless.sdk.run import trainer
+
+    played: dict[int, list] = {}
+    original = trainer._Run._play
+
+    def recording(self, step, view):
+        result = original(self, step, view)
+        played[step] = result[2]
+        return result
+
+    monkeypatch.setattr(trainer._Run, "_play", recording)
+    kind_settings = ({"env": Echoes, "reward": None, "tasks": lambda rng: {"start": rng.randint(0, 1)}, "max_turns": 4}
+                     if kind == "env" else {"agent": two_replies, "reward": None, "tasks": lambda rng: {"n": rng.randint(0, 9)}})
+    result = _train(tmp_path, tiny_model, max_staleness=1, steps=4, **kind_settings)
+    assert [r["staleness"] for r in result.metrics] == [0, 1, 1, 1]
+    worker = Worker(tiny_model, threads=1)
+    for step in (2, 3):
+        scores = {}
+        for version in (step - 1, step):
+            files = _checkpoint_files(tmp_path, version)
+            worker.load_state(LoadStateRequest(PolicyState(f"v{version}", files, version), include_optimizer=False))
+            sequences = [q for e in played[step] if e.status != "error" for q in e.sequences()]
+            assert any(_untrained_between_turns(q.mask) for q in sequences)  # several sampled turns in one row
+            forward = worker.forward(ForwardRequest(f"v{version}", [Datum(q.tokens, q.mask) for q in sequences]))
+            scores[version] = max(float(np.abs(lp[q.mask == 1] - q.sampler_logprobs[q.mask == 1]).max())
+                                  for q, lp in zip(sequences, forward.logprobs) if q.mask.sum())
+        assert scores[step - 1] < 1e-4, (step, scores)
+        assert scores[step] > 1e-3, f"the test needs versions that differ: {scores}"
+
+
 def test_an_async_run_is_the_same_for_a_seed_in_one_process_or_with_a_reader_process(tmp_path, tiny_model):
     one = _train(tmp_path / "one", tiny_model, max_staleness=1)
     two = _train(tmp_path / "two", tiny_model, max_staleness=1, rollout_workers=1, threads=2)
