@@ -88,16 +88,13 @@ class RankWorker(Worker):
         else (the process, the requests to every rank, the gathered results, the watchdog) runs as for N."""
         if self.world_size == 1:
             return
-        from peft.utils import get_peft_model_state_dict
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from transformers.modeling_layers import GradientCheckpointingLayer
 
         # Rank 0 alone holds the weights (the others' are on the meta device): its full state is kept for the
         # broadcast below, and each policy's fresh adapter (for reset_policy) goes to every rank.
         whole = dict(self.model.state_dict()) if self.rank == 0 else {}
-        fresh = {name: {k: v.detach().clone() for k, v in get_peft_model_state_dict(
-            self.model, adapter_name=name, save_embedding_layers=False).items()} for name in self.policies} if self.rank == 0 else None
-        self._fresh.update(_from_rank0(fresh, self.group))
+        self._fresh.update(_from_rank0(self._adapters_now() if self.rank == 0 else None, self.group))
         # One unit per decoder layer: its weights are gathered for its own forward and backward only.
         for layer in [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]:
             fully_shard(layer, mesh=self.mesh)
@@ -113,6 +110,13 @@ class RankWorker(Worker):
             policy.params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
             policy.optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
         self.sharded = True
+
+    def _adapters_now(self) -> dict[str, dict[str, torch.Tensor]]:
+        """A copy of each policy's adapter weights as they are now."""
+        from peft.utils import get_peft_model_state_dict
+
+        return {name: {k: v.detach().clone() for k, v in get_peft_model_state_dict(
+            self.model, adapter_name=name, save_embedding_layers=False).items()} for name in self.policies}
 
     def _rebuild(self, *, add: CreatePolicyRequest | None = None, drop: str | None = None) -> None:
         """The model again with one policy more or less: full states out, base model reloaded, sharded, states in."""
