@@ -126,15 +126,11 @@ def load_model(spec: str, *, dtype: torch.dtype | None = None, device: str = "cp
     source = resolve_model(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        if device == "meta":  # the architecture alone, no weights read (a sharded rank that gets its part from rank 0)
-            model = _architecture(source, dtype or torch.float32)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"Could not load model {spec!r} (from {source!r}): {exc}", hint=_NOT_FOUND_HINT) from exc
 
-    if device != "meta":
-        model.to(device)
+    model.to(device)
     model.eval()
     # Grouped-query attention without repeat_kv's copies in no-grad CPU forwards (generation): same numbers, faster.
     from tinkerless.functions.sampling.gqa_attention import install as install_gqa_attention
@@ -147,20 +143,6 @@ def load_model(spec: str, *, dtype: torch.dtype | None = None, device: str = "cp
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
-
-
-def _architecture(source: str, dtype: torch.dtype) -> PreTrainedModel:
-    """The model `source` names, on the meta device: its modules and shapes, no memory, no weights read."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
-    try:  # the checkpoint's own generation settings (its end-of-turn tokens), as from_pretrained reads them
-        model.generation_config = GenerationConfig.from_pretrained(source)
-    except OSError:
-        pass
-    return model
 
 
 def build_tiny_model(

@@ -5,11 +5,10 @@ the training functions take this rank's share of the batch (`training.forward_ba
 and the results of all ranks are gathered so that every rank (rank 0 answers) returns what one process would.
 
 What differs from one process, and why:
-- rank 0 reads the base model into host memory and the other ranks build it on the meta device (no memory, no
-  weights read), so a machine holds one host copy however many ranks it runs; the first policy is created on
-  both; `fully_shard` (each decoder layer, then the whole model) then puts each layer's shard on this rank's GPU
-  and rank 0 broadcasts the weights into the shards, so a model larger than one GPU never sits whole on one.
-  One rank keeps the plain model on its GPU: FSDP2 over one rank would split nothing. Base weights keep the run's dtype, LoRA weights and Adam's moments fp32 (`precision.py`), all
+- the base model loads on the CPU and the first policy is created there; `fully_shard` (each decoder layer, then
+  the whole model) then moves each layer's shard to this rank's GPU, so a model larger than one GPU never sits
+  whole on one. One rank keeps the plain model on its GPU: FSDP2 over one rank would split nothing.
+  Base weights keep the run's dtype, LoRA weights and Adam's moments fp32 (`precision.py`), all
   sharded: each rank keeps 1/N of every tensor, gradients are reduce-scattered (summed: each micro-batch is
   already weighted by its share of the whole batch) and the optimizer steps on the shards;
 - FSDP2 shards the parameters a model has when it is sharded, so a policy created (or dropped) later rebuilds
@@ -57,12 +56,9 @@ class RankWorker(Worker):
 
     def __init__(self, model: str, *, rank: int, world_size: int, mesh: Any, group: Any, device: str, **options: Any):
         """`mesh`: the ranks' 1-D device mesh; `group`: a gloo group for gathering Python objects (results)."""
-        # Several ranks: rank 0 reads the weights into host memory and the others build the model on the meta device
-        # (no memory); each gets its shard on the way to its GPU (`_shard`). So the machine holds one host copy of
-        # the model however many ranks it runs, not one per rank. One rank: straight to its device, never sharded.
-        # Sampling is not served here.
-        self.rank, self.world_size = rank, world_size
-        super().__init__(model, device=_load_device(rank, world_size, device), engine="transformers", **options)
+        # Several ranks: the CPU first, the model is sharded on its way to the GPU (`_shard`). One rank: straight to
+        # its device, never sharded (see `_shard`). Sampling is not served here.
+        super().__init__(model, device=_load_device(world_size, device), engine="transformers", **options)
         self.device = device
         self.rank, self.world_size, self.mesh, self.group = rank, world_size, mesh, group
         self.rank_args = {"rank": rank, "world_size": world_size}
@@ -91,16 +87,11 @@ class RankWorker(Worker):
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from transformers.modeling_layers import GradientCheckpointingLayer
 
-        # Rank 0 alone holds the weights (the others' are on the meta device): its full state is kept for the
-        # broadcast below, and each policy's fresh adapter (for reset_policy) goes to every rank.
-        whole = dict(self.model.state_dict()) if self.rank == 0 else {}
-        self._fresh.update(_from_rank0(self._adapters_now() if self.rank == 0 else None, self.group))
+        self._fresh.update(self._adapters_now())  # for reset_policy
         # One unit per decoder layer: its weights are gathered for its own forward and backward only.
         for layer in [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]:
             fully_shard(layer, mesh=self.mesh)
         fully_shard(self.model, mesh=self.mesh)
-        _fill_from_rank0(self.model, whole, self.rank, self.device)
-        del whole
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 # A plain sum (gloo has no pre-multiplied sum): micro-batches are weighted by their global share.
@@ -126,7 +117,7 @@ class RankWorker(Worker):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self.base_model, _ = load_model(self.model_name, dtype=self.dtype, device=_load_device(self.rank, self.world_size, self.device))
+        self.base_model, _ = load_model(self.model_name, dtype=self.dtype, device=_load_device(self.world_size, self.device))
         self.adapters = PolicyAdapters(self.base_model)
         self.sharded, self._fresh = False, {}
         for name, lora in loras.items():
@@ -243,31 +234,9 @@ class RankWorker(Worker):
         return {**state, "state": entries}
 
 
-def _load_device(rank: int, world_size: int, device: str) -> str:
-    """Where a rank's Worker loads the model: its device alone; else rank 0 on the CPU and the others nowhere."""
-    if world_size == 1:
-        return device
-    return "cpu" if rank == 0 else "meta"
-
-
-def _from_rank0(value: Any, group: Any) -> Any:
-    """Rank 0's Python object, on every rank."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _fill_from_rank0(model: Any, whole: dict[str, torch.Tensor], rank: int, device: str) -> None:
-    """After `fully_shard`: each rank's shards of rank 0's weights (`whole`, empty on the other ranks, whose
-    parameters are still on the meta device until here), and rank 0's buffers, which FSDP2 does not shard (the
-    rotary frequencies are not in the state dict: they are computed at construction, which meta skipped)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    if rank != 0:
-        model.to_empty(device=device)
-    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for buffer in model.buffers():
-        dist.broadcast(buffer.data, src=0)
+def _load_device(world_size: int, device: str) -> str:
+    """Where a rank's Worker loads the model: one rank on its device; several on the CPU, sharded from there."""
+    return device if world_size == 1 else "cpu"
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
