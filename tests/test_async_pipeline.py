@@ -51,9 +51,8 @@ def _checkpoint_files(storage: Path, step: int, prefix: str = "adapter/") -> dic
             and str(p.relative_to(root)).startswith(prefix)}
 
 
-def test_step_s_samples_from_exactly_version_s_minus_k(tmp_path, tiny_model, monkeypatch):
-    """Each step's recorded sampler log-probs are the log-probs of the checkpointed version s − k (the adapter after
-    the updates of steps before s − k), not of the newest one: the staleness is exact, never "whatever is newest"."""
+def _record_played(monkeypatch) -> dict[int, list]:
+    """Each step's episodes as the pipeline plays them (step -> episodes), filled as the run goes."""
     from tinkerless.sdk.run import trainer
 
     played: dict[int, list] = {}
@@ -65,18 +64,30 @@ def test_step_s_samples_from_exactly_version_s_minus_k(tmp_path, tiny_model, mon
         return result
 
     monkeypatch.setattr(trainer._Run, "_play", recording)
+    return played
+
+
+def _sampler_gap(worker: Worker, storage: Path, version: int, episodes: list) -> float:
+    """The largest difference between the episodes' recorded sampler log-probs and checkpointed `version`'s own
+    log-probs of the same tokens, over every sampled token of every sequence."""
+    files = _checkpoint_files(storage, version)
+    worker.load_state(LoadStateRequest(PolicyState(f"v{version}", files, version), include_optimizer=False))
+    sequences = [q for e in episodes if e.status != "error" for q in e.sequences() if q.mask.sum()]
+    forward = worker.forward(ForwardRequest(f"v{version}", [Datum(q.tokens, q.mask) for q in sequences]))
+    return max(float(np.abs(lp[q.mask == 1] - q.sampler_logprobs[q.mask == 1]).max())
+               for q, lp in zip(sequences, forward.logprobs))
+
+
+def test_step_s_samples_from_exactly_version_s_minus_k(tmp_path, tiny_model, monkeypatch):
+    """Each step's recorded sampler log-probs are the log-probs of the checkpointed version s − k (the adapter after
+    the updates of steps before s − k), not of the newest one: the staleness is exact, never "whatever is newest"."""
+    played = _record_played(monkeypatch)
     result = _train(tmp_path, tiny_model, max_staleness=2, steps=6)
     assert [r["staleness"] for r in result.metrics] == [0, 1, 2, 2, 2, 2]
     worker = Worker(tiny_model, threads=1)
     for step in (3, 4, 5):
-        scores = {}
-        for version in (step - 2, step):  # the version it must sample from, and the newest one then
-            files = _checkpoint_files(tmp_path, version)
-            worker.load_state(LoadStateRequest(PolicyState(f"v{version}", files, version), include_optimizer=False))
-            episodes = [e for e in played[step] if e.status != "error"]
-            forward = worker.forward(ForwardRequest(f"v{version}", [Datum(e.tokens, e.mask) for e in episodes]))
-            scores[version] = max(float(np.abs(lp[e.mask == 1] - e.sampler_logprobs[e.mask == 1]).max())
-                                  for e, lp in zip(episodes, forward.logprobs))
+        # the version it must sample from, and the newest one then
+        scores = {version: _sampler_gap(worker, tmp_path, version, played[step]) for version in (step - 2, step)}
         assert scores[step - 2] < 1e-4, (step, scores)
         assert scores[step] > 1e-3, f"the test needs versions that differ: {scores}"
 
@@ -116,32 +127,16 @@ def test_env_and_agent_function_steps_sample_from_exactly_version_s_minus_k(tmp_
     """The same exactness for a multi-turn env (observations between sampled turns) and for an agent function
     (its OpenAI calls are served by the reader of version s - k): every sampled token's recorded log-prob is that
     version's, not the newest one's."""
-    from tinkerless.sdk.run import trainer
-
-    played: dict[int, list] = {}
-    original = trainer._Run._play
-
-    def recording(self, step, view):
-        result = original(self, step, view)
-        played[step] = result[2]
-        return result
-
-    monkeypatch.setattr(trainer._Run, "_play", recording)
+    played = _record_played(monkeypatch)
     kind_settings = ({"env": Echoes, "reward": None, "tasks": lambda rng: {"start": rng.randint(0, 1)}, "max_turns": 4}
                      if kind == "env" else {"agent": two_replies, "reward": None, "tasks": lambda rng: {"n": rng.randint(0, 9)}})
     result = _train(tmp_path, tiny_model, max_staleness=1, steps=4, **kind_settings)
     assert [r["staleness"] for r in result.metrics] == [0, 1, 1, 1]
     worker = Worker(tiny_model, threads=1)
     for step in (2, 3):
-        scores = {}
-        for version in (step - 1, step):
-            files = _checkpoint_files(tmp_path, version)
-            worker.load_state(LoadStateRequest(PolicyState(f"v{version}", files, version), include_optimizer=False))
-            sequences = [q for e in played[step] if e.status != "error" for q in e.sequences()]
-            assert any(_untrained_between_turns(q.mask) for q in sequences)  # several sampled turns in one row
-            forward = worker.forward(ForwardRequest(f"v{version}", [Datum(q.tokens, q.mask) for q in sequences]))
-            scores[version] = max(float(np.abs(lp[q.mask == 1] - q.sampler_logprobs[q.mask == 1]).max())
-                                  for q, lp in zip(sequences, forward.logprobs) if q.mask.sum())
+        sequences = [q for e in played[step] if e.status != "error" for q in e.sequences()]
+        assert any(_untrained_between_turns(q.mask) for q in sequences)  # several sampled turns in one row
+        scores = {version: _sampler_gap(worker, tmp_path, version, played[step]) for version in (step - 1, step)}
         assert scores[step - 1] < 1e-4, (step, scores)
         assert scores[step] > 1e-3, f"the test needs versions that differ: {scores}"
 

@@ -82,11 +82,16 @@ def probe_logprobs(worker: Any, policy: str, tokens: list[int]) -> list[float]:
     return [float(v) for v in result.logprobs[0][1:]]  # entry 0 has no prefix
 
 
+def probe(worker: Any, policy: str) -> tuple[list[int], list[float]]:
+    """The probe tokens and `worker`'s log-probs of them under `policy` as it is now."""
+    tokens = probe_tokens(worker.vocab_size)
+    return tokens, probe_logprobs(worker, policy, tokens)
+
+
 def make_proof(worker: Any, policy: str, version: int, files: dict[str, bytes]) -> VersionProof:
     """The writer's proof of `version` of `policy`, whose state it has just saved as `files`."""
-    tokens = probe_tokens(worker.vocab_size)
-    return VersionProof(policy, version, adapter_digest(files), tokens, probe_logprobs(worker, policy, tokens),
-                        dtype_name(worker.dtype))
+    tokens, logprobs = probe(worker, policy)
+    return VersionProof(policy, version, adapter_digest(files), tokens, logprobs, dtype_name(worker.dtype))
 
 
 def check_files(proof: VersionProof, policy: str, version: int, files: dict[str, bytes]) -> None:
@@ -115,8 +120,10 @@ def check_loaded(worker: Any, proof: VersionProof) -> float:
 def compare_probe(policy: str, version: int | str, ours: list[float], theirs: list[float], tolerance: float, *,
                   who: str, against: str, precision: str) -> float:
     """The largest difference between two sets of probe log-probs, or a `WeightSyncError` naming both."""
-    gap = float(np.max(np.abs(np.asarray(ours) - np.asarray(theirs)))) if ours and len(ours) == len(theirs) else (
-        0.0 if not ours and not theirs else float("inf"))
+    if len(ours) != len(theirs):
+        gap = float("inf")  # not even the same probe
+    else:
+        gap = float(np.max(np.abs(np.asarray(ours) - np.asarray(theirs)))) if ours else 0.0
     if not gap <= tolerance:
         raise WeightSyncError(
             f"policy {policy!r} version {version}: after loading, {who}'s log-probs of the probe sequence differ from "

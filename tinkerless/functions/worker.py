@@ -165,8 +165,7 @@ class Worker:
         """The hand-off's probe tokens and this worker's log-probs of them under `policy` as it is now."""
         from tinkerless.functions import handoff
 
-        tokens = handoff.probe_tokens(self.vocab_size)
-        return tokens, handoff.probe_logprobs(self, policy, tokens)
+        return handoff.probe(self, policy)
 
     def _adapter_snapshot(self, policy: str) -> tuple[str, str] | None:
         """The policy's current adapter as a PEFT directory (written once per version) for the vLLM engine."""
