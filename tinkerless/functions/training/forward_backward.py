@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tinkerless.functions.losses import LossConfig, compute_loss
-from tinkerless.functions.training import shared_prefix
+from tinkerless.functions.training import picked_logits, shared_prefix
 from tinkerless.functions.training.micro_batches import model_token_budget, plan_micro_batches, recompute_in_backward
 from tinkerless.wire.messages import Datum
 
@@ -178,9 +178,7 @@ def forward_backward(
         frame = shared_prefix.suffix_frame(shared, [d.tokens for d in data], pad_id, device)
         mask = frame.field([d.mask for d in chunk])
         share = totals.share([masks[i] for i in shared.rows])
-        logprobs, entropy = shared_prefix.suffix_logprobs(
-            model, shared, [d.tokens for d in data], frame, shared_prefix.trained_columns(mask), with_entropy=True
-        )
+        logprobs, entropy = shared_prefix.suffix_logprobs(model, shared, [d.tokens for d in data], frame, mask, with_entropy=True)
         totals.add(share, logprobs, entropy, mask, chunk, frame.field)
         for row, index in enumerate(shared.rows):
             all_logprobs[index] = shared_prefix.full_row(logprobs[row], frame.starts[row], lengths[index])
@@ -193,6 +191,7 @@ def forward_backward(
                 all_logprobs[i] = np.zeros(len(masks[i]), dtype=np.float32)
             continue
         plan.append((micro, rows))
+    split = picked_logits.decoder_and_head(model) if world_size == 1 else None
     for planned in rank_rounds(plan, rank, world_size):
         if planned is None:
             _idle_pass(model, pad_id, device, backward=True)
@@ -203,7 +202,10 @@ def forward_backward(
         batch = make_batch(chunk, pad_id, device)
         mask = batch.field([d.mask for d in chunk])
         with recompute_in_backward(model, micro.recompute):
-            logprobs, entropy = token_logprobs(model, batch, positions=trained_positions(mask), with_entropy=True)
+            if split is not None:  # the head on the trained tokens only (`picked_logits`)
+                logprobs, entropy = picked_logits.row_logprobs(split, batch.input_ids, mask, with_entropy=True)
+            else:
+                logprobs, entropy = token_logprobs(model, batch, positions=trained_positions(mask), with_entropy=True)
             totals.add(share, logprobs, entropy, mask, chunk, batch.field)
         for row, index in enumerate(rows):
             all_logprobs[index] = logprobs[row, : batch.lengths[row]].detach().cpu().numpy()

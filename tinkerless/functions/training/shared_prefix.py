@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from tinkerless.functions.training import picked_logits
+
 # Below this many shared tokens a group is not worth its own two forwards.
 MIN_SHARED_TOKENS = 8
 
@@ -165,29 +167,54 @@ def suffix_frame(micro: SharedMicroBatch, tokens: list[list[int]], pad_id: int, 
     return SuffixFrame(out.to(device), torch.tensor(groups_of, device=device), starts, lengths)
 
 
-def suffix_logprobs(model, micro: SharedMicroBatch, tokens: list[list[int]], frame: SuffixFrame, columns: torch.Tensor,
+def suffix_logprobs(model, micro: SharedMicroBatch, tokens: list[list[int]], frame: SuffixFrame, mask: torch.Tensor,
                     *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [R, S] of the frame's tokens at `columns` (sorted; others 0), through shared prefixes.
+    """Log-probs [R, S] of the frame's trained tokens (`mask` [R, S]; others 0), through shared prefixes.
 
     Column 0's token is predicted by the prefix's last position; column c > 0's by suffix position c - 1.
+    Where the model's logits are its head's output (`picked_logits`) the head runs on the trained tokens only;
+    otherwise on every column any row trains.
     """
+    split = picked_logits.decoder_and_head(model)
+    if split is None:
+        return _logprobs_at_columns(model, micro, tokens, frame, trained_columns(mask), with_entropy=with_entropy)
+    decoder, head = split
     device = frame.tokens.device
-    prefixes = [g.prefix for g in micro.groups]
-    width = max(prefixes)
-    prefix_ids = torch.zeros((len(micro.groups), width), dtype=torch.long)
+    prefixes = torch.tensor([g.prefix for g in micro.groups], device=device)
+    prefix = decoder(input_ids=_prefix_ids(micro, tokens, device), use_cache=True)
+    prefix_last = prefix.last_hidden_state[torch.arange(len(prefixes), device=device), prefixes - 1]  # [G, H]
+    rows, columns = picked_logits.trained_pairs(mask, first=0)
+    # hidden[r, c]: the state that predicts column c of row r
+    hidden = prefix_last.index_select(0, frame.group_of_row).unsqueeze(1)
+    if bool((columns > 0).any()):
+        cache, attention, positions = _suffix_inputs(prefix.past_key_values, frame, int(prefixes.max()))
+        body = decoder(input_ids=frame.tokens[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
+                       past_key_values=cache, use_cache=False)
+        hidden = torch.cat([hidden, body.last_hidden_state], dim=1)
+    picked, entropy = picked_logits.pair_logprobs(head, hidden[rows, columns], frame.tokens[rows, columns], with_entropy=with_entropy)
+    shape = frame.tokens.shape
+    return picked_logits.scattered(picked, rows, columns, shape), picked_logits.scattered(entropy, rows, columns, shape)
+
+
+def _prefix_ids(micro: SharedMicroBatch, tokens: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[G, L] every group's prefix, right-padded to the longest."""
+    prefix_ids = torch.zeros((len(micro.groups), max(g.prefix for g in micro.groups)), dtype=torch.long)
     for g_index, group in enumerate(micro.groups):
         prefix_ids[g_index, : group.prefix] = torch.as_tensor(np.asarray(tokens[group.rows[0]][: group.prefix], dtype=np.int64))
-    # Right-padded and causal, so a prefix's real tokens never see its pads: no mask, SDPA's fused kernel.
-    last = sorted(set(p - 1 for p in prefixes))
-    head = model(input_ids=prefix_ids.to(device), use_cache=True, logits_to_keep=torch.tensor(last, device=device))
-    pick = torch.tensor([last.index(p - 1) for p in prefixes], device=device)
-    prefix_logits = head.logits[torch.arange(len(prefixes), device=device), pick]  # [G, V]
-    rows = frame.group_of_row
+    return prefix_ids.to(device)
+
+
+def _suffix_inputs(prefix_cache, frame: SuffixFrame, width: int) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    """Each row's copy of its group's prefix keys/values, its attention mask and its positions.
+
+    Each row attends to its own group's real prefix tokens (not the pads of a shorter prefix) and causally to
+    its suffix; positions continue from its own prefix length.
+    """
+    device = frame.tokens.device
     cache = DynamicCache(ddp_cache_data=[
-        (layer.keys.index_select(0, rows), layer.values.index_select(0, rows)) for layer in head.past_key_values.layers
+        (layer.keys.index_select(0, frame.group_of_row), layer.values.index_select(0, frame.group_of_row))
+        for layer in prefix_cache.layers
     ])
-    # Each row attends to its own group's real prefix tokens (not the pads of a shorter prefix) and causally to
-    # its suffix; positions continue from its own prefix length.
     count, suffix_width = frame.tokens.shape
     attention = torch.zeros((count, width + suffix_width), dtype=torch.long)
     positions = torch.zeros((count, suffix_width), dtype=torch.long)
@@ -195,12 +222,26 @@ def suffix_logprobs(model, micro: SharedMicroBatch, tokens: list[list[int]], fra
         attention[row, :start] = 1
         attention[row, width: width + frame.lengths[row]] = 1
         positions[row] = torch.arange(start, start + suffix_width)
+    return cache, attention.to(device), positions.to(device)
+
+
+def _logprobs_at_columns(model, micro: SharedMicroBatch, tokens: list[list[int]], frame: SuffixFrame,
+                         columns: torch.Tensor, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole model's path: logits at every one of `columns` (sorted) in every row."""
+    device = frame.tokens.device
+    prefixes = [g.prefix for g in micro.groups]
+    # Right-padded and causal, so a prefix's real tokens never see its pads: no mask, SDPA's fused kernel.
+    last = sorted(set(p - 1 for p in prefixes))
+    head = model(input_ids=_prefix_ids(micro, tokens, device), use_cache=True, logits_to_keep=torch.tensor(last, device=device))
+    pick = torch.tensor([last.index(p - 1) for p in prefixes], device=device)
+    prefix_logits = head.logits[torch.arange(len(prefixes), device=device), pick]  # [G, V]
     suffix_columns = columns[columns > 0] - 1
     logits_parts = []
     if bool((columns == 0).any()):
-        logits_parts.append(prefix_logits.index_select(0, rows).unsqueeze(1))
+        logits_parts.append(prefix_logits.index_select(0, frame.group_of_row).unsqueeze(1))
     if len(suffix_columns):
-        body = model(input_ids=frame.tokens, attention_mask=attention.to(device), position_ids=positions.to(device),
+        cache, attention, positions = _suffix_inputs(head.past_key_values, frame, max(prefixes))
+        body = model(input_ids=frame.tokens, attention_mask=attention, position_ids=positions,
                      past_key_values=cache, use_cache=False, logits_to_keep=suffix_columns)
         logits_parts.append(body.logits)
     logits = torch.cat(logits_parts, dim=1).float()  # [R, len(columns), V]
