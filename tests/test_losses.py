@@ -176,19 +176,33 @@ def old_logprobs() -> torch.Tensor:
 
 
 def test_tis_importance_sampling():
-    # per-token -r*A*w: seq1 = -1*1, -1.5*2, -0.5*0.5 = -1, -3, -0.25 (sum -4.25)
-    #                   seq2 = 2.2*2, 1.4*1.5 = 4.4, 2.1 (sum 6.5); (6.5 - 4.25) / 5 = 0.45
+    # The policy term's ratio is against old (Yao et al.'s decoupled form): r_old = r / raw
+    #   = [[1.0, 0.5, 1.0], [0.55, 0.466667]].
+    # per-token -r_old*A*w: seq1 = -1*1, -0.5*2, -1*0.5 = -1, -1, -0.5 (sum -2.5)
+    #                       seq2 = 0.55*2*2, 0.466667*2*1.5 = 2.2, 1.4 (sum 3.6); (3.6 - 2.5) / 5 = 0.22
     loss, metrics, grad = run(LossConfig(name="importance_sampling", tis_cap=2.0), old_logprobs=old_logprobs())
-    assert loss.item() == approx(0.45)
-    assert_grad(grad, [[-0.2, -0.6, -0.05], [0.88, 0.42, 0.0]])  # -r*A*w / 5, w is a constant
+    assert loss.item() == approx(0.22)
+    assert_grad(grad, [[-0.2, -0.2, -0.1], [0.44, 0.28, 0.0]])  # -r_old*A*w / 5, w is a constant
     assert metrics["tis_weight_mean"] == approx(1.4)  # (1 + 2 + 0.5 + 2 + 1.5) / 5
 
 
 def test_tis_ppo():
-    # ppo per-token [-1, -1.28, -0.5, 2.2, 1.6] * w [1, 2, 0.5, 2, 1.5]
-    # = -1 - 2.56 - 0.25 + 4.4 + 2.4 = 2.99; / 5 = 0.598
+    # clip(r_old) to [0.8, 1.28]: seq1 min(r*A, clip*A) = 1, 0.5, 1 -> per-token -1, -0.5, -1 times w [1, 2, 0.5]
+    # = -1, -1, -0.5; seq2 (A = -2) min(-1.1, -1.6), min(-0.933, -1.6) -> 1.6, 1.6 times w [2, 1.5] = 3.2, 2.4
+    # sum 3.1; / 5 = 0.62
     loss, _, _ = run(LossConfig(name="ppo", tis_cap=2.0), old_logprobs=old_logprobs())
-    assert loss.item() == approx(0.598)
+    assert loss.item() == approx(0.62)
+
+
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo"])
+def test_tis_caps_every_tokens_weight(name):
+    """The update's own log-probs as old (async: the policy k versions after the sampler's): each token's gradient
+    is -A * min(pi / mu, C) / N, so a token the sampler found far less likely than the trainer does moves the
+    policy by at most the cap, never by pi / mu times the cap."""
+    _, _, grad = run(LossConfig(name=name, tis_cap=2.0, old_logprobs_current=True))
+    weights = torch.tensor(RATIO).clamp(max=2.0)  # pi / mu per token, capped
+    expected = (-torch.tensor(ADV) * weights * torch.tensor(MASK) / 5).tolist()
+    assert_grad(grad, expected)
 
 
 def test_tis_cap_without_old_logprobs_raises():
@@ -214,7 +228,7 @@ def test_kl_cross_entropy_value_grad_metric():
 
 
 def test_kl_with_rl_loss_is_not_tis_weighted():
-    # IS + TIS = 0.45 (above); KL term added unweighted: 0.45 + 0.1 * 0.317232 = 0.481723
+    # IS + TIS = 0.22 (above); KL term added unweighted: 0.22 + 0.1 * 0.317232 = 0.251723
     logprobs, *_ = example()
     ref = logprobs.detach() + torch.tensor(KL_DELTA)
     loss, metrics, _ = run(
@@ -222,7 +236,7 @@ def test_kl_with_rl_loss_is_not_tis_weighted():
         old_logprobs=old_logprobs(),
         ref_logprobs=ref,
     )
-    assert loss.item() == approx(0.481723)
+    assert loss.item() == approx(0.251723)
     assert metrics["kl"] == approx(0.317232)
 
 

@@ -4,7 +4,7 @@ Runs inside the GPU "update" function. Every input is a [B, T] tensor aligned
 on target tokens; `mask` marks the tokens the policy sampled (the only ones that
 train). Definitions follow /work/shared/reference/rl-frameworks-and-losses.md §5:
 
-    r = exp(logprobs - sampler_logprobs)                       per token
+    r = exp(logprobs - sampler_logprobs)                       per token (with TIS: - old_logprobs)
     importance_sampling   -r * A                                (Tinker)
     ppo                   -min(r * A, clip(r, 1-lo, 1+hi) * A)  (DAPO clip-higher)
     cispo                 -sg(clip(r, 1-lo, 1+hi)) * A * logprobs  (MiniMax-M1)
@@ -12,7 +12,8 @@ train). Definitions follow /work/shared/reference/rl-frameworks-and-losses.md §
     cross_entropy         -logprobs, or -A * logprobs with per-token weights A  (SFT; Tinker's weighted CE)
 
 Optional extras, per token, before normalization:
-    TIS  policy term *= sg(min(exp(old_logprobs - sampler_logprobs), tis_cap))
+    TIS  r = exp(logprobs - old_logprobs), and the policy term *= sg(min(exp(old_logprobs - sampler_logprobs), tis_cap))
+         (old_logprobs: the trainer's log-probs of the sampled tokens before the update; Yao et al.'s decoupled form)
     KL   + kl_coef * k3,  k3 = exp(ref - logprobs) - (ref - logprobs) - 1
 
 Normalization of the masked sum: "token" (DAPO), "sequence" (GRPO),
@@ -193,13 +194,21 @@ def compute_loss(
         per_token = -lp if advantages is None else -clean(advantages).detach() * lp
     else:
         adv = clean(advantages).detach()
-        log_ratio = lp - clean(sampler_logprobs).detach()
-        # The sampler/trainer gap on the sampled tokens (the cookbook's kl_sample_train): before the step, both
-        # score the same policy, so any gap is numerics (bf16, batch shapes, another engine). Large values are
-        # what tis_cap corrects (docs/performance.md).
-        gap = -log_ratio.detach()
+        behaviour = clean(sampler_logprobs).detach()
+        # The sampler/trainer gap on the sampled tokens (the cookbook's kl_sample_train): synchronously both
+        # score the same policy, so any gap is numerics (bf16, batch shapes, another engine); with max_staleness
+        # it also holds the policy's drift since the sampler's version. Large values are what tis_cap corrects.
+        gap = (behaviour - lp).detach()
         metrics["logprob_gap"] = _masked_mean(gap.abs(), m)
         metrics["kl_sample_train"] = _masked_mean(gap, m)
+        old = None
+        if config.tis_cap is not None:
+            # Decoupled, as TIS defines it: the policy term's ratio is against the trainer's own log-probs of the
+            # sampled tokens (old_logprobs; this pass's own with old_logprobs_current) and the sampler's share is
+            # the truncated weight below. A ratio against the sampler would weight each token by exp(old - sampler)
+            # once more, uncapped, on top of the capped weight.
+            old = clean(old_logprobs if old_logprobs is not None else logprobs).detach()
+        log_ratio = lp - (behaviour if old is None else old)
         ratio = torch.exp(log_ratio)
         lo, hi = 1.0 - config.clip_low, 1.0 + config.clip_high
         if config.name == "importance_sampling":
@@ -222,9 +231,7 @@ def compute_loss(
         if config.tis_cap is not None:
             # Correct sampler/trainer mismatch on the policy-gradient term only (not on the KL term).
             # old_logprobs may be absent only with old_logprobs_current (checked above): this pass's own.
-            old = old_logprobs if old_logprobs is not None else logprobs.detach()
-            tis_log = clean(old) - clean(sampler_logprobs)
-            tis_w = torch.exp(tis_log).clamp(max=config.tis_cap).detach()
+            tis_w = torch.exp(old - behaviour).clamp(max=config.tis_cap)
             per_token = per_token * tis_w
             metrics["tis_weight_mean"] = _masked_mean(tis_w, m)
 
