@@ -34,12 +34,16 @@ def load_config(path: Path):
     return module.config
 
 
-def run(job: str, staleness: int, steps: int, out: Path, seed: int = 0) -> dict:
+def run(job: str, staleness: int, steps: int, out: Path, seed: int = 0, tis_cap: float | None = None) -> dict:
     import tinkerless
 
-    config = load_config(JOBS[job]).replace(
+    config = load_config(JOBS[job])
+    tis_cap = config.tis_cap if tis_cap is None else tis_cap
+    config = config.replace(
+        tis_cap=tis_cap,
         steps=steps, max_staleness=staleness, rollout_workers=1, threads=2, backend="local", progress=False,
-        storage=str(out / f"{job}-k{staleness}-seed{seed}"), run_id="r", checkpoint_every=steps, report_to=[],
+        storage=str(out / (f"{job}-k{staleness}-seed{seed}" + (f"-tis{tis_cap}" if tis_cap else ""))), run_id="r",
+        checkpoint_every=steps, report_to=[],
         seed=seed)
     started = time.perf_counter()
     result = tinkerless.train(config)
@@ -51,7 +55,7 @@ def run(job: str, staleness: int, steps: int, out: Path, seed: int = 0) -> dict:
         elapsed += record["step_s"]
         clock.append(elapsed)
     warm = [r["step_s"] for r in metrics[1:]] or [metrics[0]["step_s"]]
-    return {"job": job, "max_staleness": staleness, "seed": seed, "steps": steps, "wall_s": wall,
+    return {"job": job, "max_staleness": staleness, "seed": seed, "tis_cap": tis_cap, "steps": steps, "wall_s": wall,
             "mean_step_s": statistics.mean(warm), "clock_s": clock, "reward": [r["reward_mean"] for r in metrics],
             "staleness": [r.get("staleness", 0) for r in metrics],
             "logprob_gap": [r.get("logprob_gap") for r in metrics], "rollout_s": [r["rollout_s"] for r in metrics],
@@ -89,15 +93,19 @@ def table(rows: list[dict]) -> str:
     and with it how many tokens its policy samples: the trained tokens column shows the work each k did)."""
     lines = ["| job | max_staleness | seeds | s/step | steps/s vs sync | trained tokens a step | reward, last 3 steps "
              "| reward at sync's half time | mean staleness | mean logprob_gap |", "|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["job"], r["max_staleness"]) for r in rows}, key=lambda k: (list(JOBS).index(k[0]), k[1]))
-    for job, staleness in keys:
-        runs = [r for r in rows if r["job"] == job and r["max_staleness"] == staleness]
-        syncs = {r["seed"]: r for r in rows if r["job"] == job and r["max_staleness"] == 0}
+    keys = sorted({(r["job"], r["max_staleness"], r.get("tis_cap")) for r in rows},
+                  key=lambda k: (list(JOBS).index(k[0]), k[2] or 0, k[1]))
+    for job, staleness, tis_cap in keys:
+        runs = [r for r in rows if (r["job"], r["max_staleness"], r.get("tis_cap")) == (job, staleness, tis_cap)]
+        # the synchronous runs of the same job and tis_cap, else of the same job (the baseline of a later k-only run)
+        syncs = {r["seed"]: r for r in rows if r["job"] == job and r["max_staleness"] == 0 and r.get("tis_cap") is None}
+        syncs.update({r["seed"]: r for r in rows if (r["job"], r["max_staleness"], r.get("tis_cap")) == (job, 0, tis_cap)})
         mean_step = statistics.mean(r["mean_step_s"] for r in runs)
         sync_step = statistics.mean(r["mean_step_s"] for r in syncs.values())
         gaps = [g for r in runs for g in r["logprob_gap"] if g is not None]
+        label = job if tis_cap is None else f"{job} (tis_cap {tis_cap})"
         lines.append(
-            f"| {job} | {staleness} | {len(runs)} | {mean_step:.2f} | {sync_step / mean_step:.2f}x "
+            f"| {label} | {staleness} | {len(runs)} | {mean_step:.2f} | {sync_step / mean_step:.2f}x "
             f"| {statistics.mean(t for r in runs for t in r['trained_tokens'][1:] if t is not None):.0f} "
             f"| {statistics.mean(statistics.mean(r['reward'][-3:]) for r in runs):.3f} "
             f"| {statistics.mean(reward_at(r, syncs[r['seed']]['clock_s'][-1] / 2) for r in runs):.3f} "
@@ -111,6 +119,7 @@ def main() -> None:
     parser.add_argument("--staleness", default="0,1,2")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seeds", default="0", help="comma-separated TrainConfig seeds; every job and k runs each")
+    parser.add_argument("--tis-cap", type=float, default=None, help="TrainConfig.tis_cap for every run (default: the job's)")
     parser.add_argument("--out", default="runs/bench-async")
     args = parser.parse_args()
     out = Path(args.out)
@@ -121,7 +130,7 @@ def main() -> None:
     for job in args.jobs.split(","):
         for seed in (int(x) for x in args.seeds.split(",")):
             for staleness in (int(k) for k in args.staleness.split(",")):
-                row = run(job, staleness, args.steps, out, seed)
+                row = run(job, staleness, args.steps, out, seed, args.tis_cap)
                 rows.append(row)
                 with results.open("a") as f:
                     f.write(json.dumps(row) + "\n")

@@ -50,6 +50,7 @@ from tinkerless.sdk.run.rollouts import step_seed as _step_seed
 from tinkerless.sdk.run.step_metrics import agent_metrics, agent_result_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
 from tinkerless.sdk.run import truncation
+from tinkerless.sdk.run.step_warnings import StepWarnings
 from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE, episode_record
 from tinkerless.sdk.run.transcripts import sample as sample_episodes
@@ -125,7 +126,7 @@ class _Run:
         self.cursor = 0
         self.step = 0
         self._versions: dict[str, int] = {}
-        self._truncation_warned = False
+        self.warnings = StepWarnings(config)
         try:
             # A resumed run goes on billing from what its earlier attempts used.
             prior = latest_usage(self.coordinator.state.summary) if start else None
@@ -340,9 +341,8 @@ class _Run:
         record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started, self._rollout_stats)
         record["staleness"] = step - version_for(step, config.max_staleness)  # versions between sampler and update
         record.update(truncation.columns(episodes, config.turn_limit()))
-        if not self._truncation_warned and truncation.warrants_warning(record):
-            self._truncation_warned = True  # once per run: the metrics line and the console say it
-            record["warning"] = truncation.warning(record, config)
+        if warning := self.warnings.check(record):  # once per run each: the metrics line and the console say it
+            record["warning"] = warning
         if self.multi_agent:
             record.update(agent_metrics(episodes, self.policies))
         record.update(agent_result_metrics(episodes))
