@@ -100,6 +100,9 @@ def table(rows: list[dict]) -> str:
         # the synchronous runs of the same job and tis_cap, else of the same job (the baseline of a later k-only run)
         syncs = {r["seed"]: r for r in rows if r["job"] == job and r["max_staleness"] == 0 and r.get("tis_cap") is None}
         syncs.update({r["seed"]: r for r in rows if (r["job"], r["max_staleness"], r.get("tis_cap")) == (job, 0, tis_cap)})
+        if not syncs:
+            lines.append(f"| {job} | {staleness} | {len(runs)} | (no synchronous run in these rows) |||||||")
+            continue
         mean_step = statistics.mean(r["mean_step_s"] for r in runs)
         sync_step = statistics.mean(r["mean_step_s"] for r in syncs.values())
         gaps = [g for r in runs for g in r["logprob_gap"] if g is not None]

@@ -29,6 +29,7 @@ def test_an_async_run_without_tis_cap_is_told_when_its_sampler_drifts():
     (TrainConfig(max_staleness=2, tis_cap=2.0), 0.9),  # already capped
     (TrainConfig(max_staleness=1), STALE_GAP_NATS),  # at the threshold, not over it
     (TrainConfig(max_staleness=1), None),  # a step with nothing trained has no gap
+    (TrainConfig(max_staleness=1), float("nan")),  # or a NaN one
 ])
 def test_no_staleness_warning_where_nothing_is_unbounded_or_drifting(config, gap):
     assert stale_gap_warning(record(3, gap=gap), config) is None

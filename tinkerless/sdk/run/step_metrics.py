@@ -36,6 +36,7 @@ def step_record(
         # mean |sampler - trainer| log-prob of the trained tokens, and the KL estimate mean(sampler - trainer)
         "logprob_gap": merged.get("logprob_gap", math.nan),
         "kl_sample_train": merged.get("kl_sample_train", math.nan),
+        **({"tis_weight_mean": merged["tis_weight_mean"]} if "tis_weight_mean" in merged else {}),  # with tis_cap
         "sampled_tokens": sampled,
         "trained_tokens": sum(m.get("tokens", 0.0) for m in metrics.values()),
         "tokens_per_s": sampled / max(timings["rollout_s"], 1e-9),
