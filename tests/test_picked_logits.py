@@ -105,3 +105,23 @@ def test_a_soft_capped_model_takes_the_whole_models_path():
     assert picked_logits.decoder_and_head(capped) is None  # its logits are tanh-capped after the head
     plain = Gemma2ForCausalLM(Gemma2Config(**config, final_logit_softcapping=None)).eval()
     assert picked_logits.decoder_and_head(plain) is not None
+
+
+def test_a_decoder_that_cannot_run_alone_takes_the_whole_models_path(lora_worker):  # noqa: F811
+    """A model whose `get_decoder()` is not a callable decoder (some multimodal wrappers) is not split."""
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            return self.inner(**kwargs)
+
+        def get_decoder(self):
+            return torch.nn.Identity()  # takes no input_ids
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+    assert picked_logits.decoder_and_head(Wrapped(lora_worker.model)) is None

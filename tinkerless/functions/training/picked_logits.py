@@ -39,9 +39,12 @@ def _split(model) -> tuple | None:
         return None
     device = next(model.parameters()).device
     ids = torch.tensor([[0, 1, 2, 3]], device=device)
-    with torch.no_grad():
-        whole = model(input_ids=ids, use_cache=False).logits.float()
-        split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
+    try:
+        with torch.no_grad():
+            whole = model(input_ids=ids, use_cache=False).logits.float()
+            split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
+    except Exception:  # a capability probe: a decoder that cannot be called alone means the whole model's path
+        return None
     if whole.shape != split.shape or not torch.allclose(whole, split, rtol=1e-3, atol=1e-3):
         return None
     return decoder, head
