@@ -8,11 +8,11 @@ from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.run.step_warnings import STALE_GAP_NATS, StepWarnings, stale_gap_warning
 
 
-def record(step: int, gap: float | None = None, truncated: float = 0.0, key: str = "logprob_gap") -> dict:
+def record(step: int, gap: float | None = None, truncated: float = 0.0) -> dict:
     out = {"step": step, "episodes": 8, "episodes_truncated_frac": truncated,
            "episodes_truncated_by_turns": int(8 * truncated), "episodes_truncated_by_tokens": 0}
     if gap is not None:
-        out[key] = gap
+        out["logprob_gap"] = gap
     return out
 
 
@@ -33,13 +33,6 @@ def test_an_async_run_without_tis_cap_is_told_when_its_sampler_drifts():
 ])
 def test_no_staleness_warning_where_nothing_is_unbounded_or_drifting(config, gap):
     assert stale_gap_warning(record(3, gap=gap), config) is None
-
-
-def test_a_multi_agent_runs_worst_policy_is_named():
-    config = TrainConfig(max_staleness=1)
-    row = record(4, gap=0.1)
-    row["black/logprob_gap"] = 0.9
-    assert "(black/logprob_gap)" in stale_gap_warning(row, config)
 
 
 def test_each_kind_is_said_once_per_run_and_kinds_do_not_hide_each_other():

@@ -73,17 +73,14 @@ def token_logprobs(
     # attention is causal, so a real token never sees a pad (pads come after it) and the mask would
     # only change the pads' own outputs, which no loss reads. Without a mask SDPA takes its fused
     # kernel (on CPU too) instead of materializing [B, heads, T, T] scores per layer for backward.
-    logits = model(input_ids=batch.input_ids, logits_to_keep=positions - 1, use_cache=False).logits.float()
-    targets = batch.input_ids[:, positions]
-    picked = torch.gather(logits, 2, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logits = model(input_ids=batch.input_ids, logits_to_keep=positions - 1, use_cache=False).logits
+    picked, picked_entropy = picked_logits.target_logprobs(logits, batch.input_ids[:, positions], with_entropy=with_entropy)
     logprobs = torch.zeros(batch.input_ids.shape, dtype=picked.dtype, device=picked.device)
     logprobs = logprobs.index_copy(1, positions, picked)
     entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            logp = torch.log_softmax(logits.detach(), dim=-1)
-            entropy = torch.zeros(batch.input_ids.shape, device=logp.device)
-            entropy[:, positions] = -(logp.exp() * logp).sum(-1)
+    if picked_entropy is not None:
+        entropy = torch.zeros(batch.input_ids.shape, device=picked.device)
+        entropy[:, positions] = picked_entropy
     return logprobs, entropy
 
 
@@ -191,7 +188,7 @@ def forward_backward(
                 all_logprobs[i] = np.zeros(len(masks[i]), dtype=np.float32)
             continue
         plan.append((micro, rows))
-    split = picked_logits.decoder_and_head(model) if world_size == 1 else None
+    split = picked_logits.decoder_and_head(model)  # None for a sharded model: its ranks keep the whole model's path
     for planned in rank_rounds(plan, rank, world_size):
         if planned is None:
             _idle_pass(model, pad_id, device, backward=True)

@@ -56,12 +56,12 @@ def trained_pairs(mask: torch.Tensor, *, first: int = 1) -> tuple[torch.Tensor, 
     return found[:, 0], found[:, 1] + first
 
 
-def pair_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of `targets` [N] under the head's distribution at `hidden` [N, H], and its entropy."""
-    logits = head(hidden).float()
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of `targets` [...] under `logits` [..., V] (upcast to fp32), and each distribution's entropy."""
+    logits = logits.float()
     normalizer = torch.logsumexp(logits, dim=-1)
-    picked = torch.gather(logits, 1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
+    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
     entropy = None
     if with_entropy:
         with torch.no_grad():
@@ -86,5 +86,5 @@ def row_logprobs(split: tuple, input_ids: torch.Tensor, mask: torch.Tensor, *, w
     decoder, head = split
     rows, columns = trained_pairs(mask)
     hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
-    picked, entropy = pair_logprobs(head, hidden[rows, columns - 1], input_ids[rows, columns], with_entropy=with_entropy)
+    picked, entropy = target_logprobs(head(hidden[rows, columns - 1]), input_ids[rows, columns], with_entropy=with_entropy)
     return scattered(picked, rows, columns, input_ids.shape), scattered(entropy, rows, columns, input_ids.shape)

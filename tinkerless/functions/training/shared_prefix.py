@@ -191,7 +191,8 @@ def suffix_logprobs(model, micro: SharedMicroBatch, tokens: list[list[int]], fra
         body = decoder(input_ids=frame.tokens[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
                        past_key_values=cache, use_cache=False)
         hidden = torch.cat([hidden, body.last_hidden_state], dim=1)
-    picked, entropy = picked_logits.pair_logprobs(head, hidden[rows, columns], frame.tokens[rows, columns], with_entropy=with_entropy)
+    picked, entropy = picked_logits.target_logprobs(head(hidden[rows, columns]), frame.tokens[rows, columns],
+                                                    with_entropy=with_entropy)
     shape = frame.tokens.shape
     return picked_logits.scattered(picked, rows, columns, shape), picked_logits.scattered(entropy, rows, columns, shape)
 
@@ -244,16 +245,13 @@ def _logprobs_at_columns(model, micro: SharedMicroBatch, tokens: list[list[int]]
         body = model(input_ids=frame.tokens, attention_mask=attention, position_ids=positions,
                      past_key_values=cache, use_cache=False, logits_to_keep=suffix_columns)
         logits_parts.append(body.logits)
-    logits = torch.cat(logits_parts, dim=1).float()  # [R, len(columns), V]
-    targets = frame.tokens[:, columns]
-    picked = torch.gather(logits, 2, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logits = torch.cat(logits_parts, dim=1)  # [R, len(columns), V]
+    picked, picked_entropy = picked_logits.target_logprobs(logits, frame.tokens[:, columns], with_entropy=with_entropy)
     logprobs = torch.zeros(frame.tokens.shape, dtype=picked.dtype, device=device).index_copy(1, columns, picked)
     entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            logp = torch.log_softmax(logits.detach(), dim=-1)
-            entropy = torch.zeros(frame.tokens.shape, device=device)
-            entropy[:, columns] = -(logp.exp() * logp).sum(-1)
+    if picked_entropy is not None:
+        entropy = torch.zeros(frame.tokens.shape, device=device)
+        entropy[:, columns] = picked_entropy
     return logprobs, entropy
 
 

@@ -20,16 +20,14 @@ STALE_GAP_NATS = 0.5
 
 
 def stale_gap_warning(record: dict, config: TrainConfig) -> str | None:
-    gaps = {key: value for key, value in record.items()
-            if key.endswith("logprob_gap") and isinstance(value, float) and math.isfinite(value)}  # NaN: nothing trained
-    if config.max_staleness < 1 or config.tis_cap is not None or not gaps:
+    gap = record.get("logprob_gap")  # the mean over the step's trained policies; NaN: nothing trained
+    if config.max_staleness < 1 or config.tis_cap is not None or not isinstance(gap, float) or not math.isfinite(gap):
         return None
-    key, gap = max(gaps.items(), key=lambda item: item[1])
     if gap <= STALE_GAP_NATS:
         return None
     return (
         f"warning: at step {record['step']} the sampler's and the trainer's log-probs of the trained tokens differ by "
-        f"{gap:.2f} nats a token ({key}), with max_staleness={config.max_staleness} and no tis_cap: the loss weights "
+        f"{gap:.2f} nats a token (logprob_gap), with max_staleness={config.max_staleness} and no tis_cap: the loss weights "
         "each token by exp(trainer - sampler), unbounded, and a stale step can derail the run. Lower max_staleness or "
         "learning_rate, or set tis_cap=2.0 to bound the weights (docs/async.md). (Said once per run.)"
     )
