@@ -129,7 +129,11 @@ def load_model(spec: str, *, dtype: torch.dtype | None = None, device: str = "cp
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"Could not load model {spec!r} (from {source!r}): {exc}", hint=_NOT_FOUND_HINT) from exc
+    return finish_loading(model, tokenizer, device=device)
 
+
+def finish_loading(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A loaded model and tokenizer made ready for left-padded batched generation on `device`."""
     model.to(device)
     model.eval()
     # Grouped-query attention without repeat_kv's copies in no-grad CPU forwards (generation): same numbers, faster.

@@ -115,7 +115,7 @@ class Worker:
         self.tensor_parallel_size = tensor_parallel_size
         # Refuses a model this GPU cannot hold before loading it, naming the fix.
         where = load_device(model, self.device, dtype_name(self.dtype), engine, tensor_parallel_size)
-        self.base_model, self.tokenizer = load_model(model, dtype=self.dtype, device=where)
+        self.base_model, self.tokenizer = self._load_base_model(where)
         self.chat = ChatFormat(self.tokenizer, self.base_model.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.micro_batch_size = micro_batch_size
@@ -126,6 +126,10 @@ class Worker:
         self._code_cache: dict[str, Any] = {}
         self.user_code_hosts = user_code_hosts
         self.engine = self._make_engine(engine, max_batch_size)
+
+    def _load_base_model(self, device: str) -> tuple[Any, Any]:
+        """The base model and its tokenizer (a sharded update's rank loads only its share: `sharding.rank`)."""
+        return load_model(self.model_name, dtype=self.dtype, device=device)
 
     @property
     def model(self) -> Any:

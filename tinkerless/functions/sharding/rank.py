@@ -5,15 +5,18 @@ the training functions take this rank's share of the batch (`training.forward_ba
 and the results of all ranks are gathered so that every rank (rank 0 answers) returns what one process would.
 
 What differs from one process, and why:
-- the base model loads on the CPU and the first policy is created there; `fully_shard` (each decoder layer, then
-  the whole model) then moves each layer's shard to this rank's GPU, so a model larger than one GPU never sits
-  whole on one. One rank keeps the plain model on its GPU: FSDP2 over one rank would split nothing.
+- the base model is built on the CPU with placeholder weights (`base_weights`: one element of memory each) and the
+  first policy is created there, its LoRA weights seeded as on one process; `fully_shard` (each decoder layer,
+  then the whole model) then puts each layer's shard on this rank's GPU, and the rank reads its rows of every
+  base weight from the checkpoint into its shard. So neither the host nor a GPU ever holds a rank's whole model
+  (a checkpoint that cannot be read in shards loads whole on the CPU first, as before). One rank keeps the
+  plain model on its GPU: FSDP2 over one rank would split nothing.
   Base weights keep the run's dtype, LoRA weights and Adam's moments fp32 (`precision.py`), all
   sharded: each rank keeps 1/N of every tensor, gradients are reduce-scattered (summed: each micro-batch is
   already weighted by its share of the whole batch) and the optimizer steps on the shards;
 - FSDP2 shards the parameters a model has when it is sharded, so a policy created (or dropped) later rebuilds
-  the rank: every policy's full state is gathered, the base model loads again, the policies are made again and
-  sharded, and their states load back (`_rebuild`: one model load per policy added after the first, which a run does once at its start);
+  the rank: every policy's full state is gathered, the base model is built again, the policies are made again and
+  sharded, and their states load back (`_rebuild`: one model build per policy added after the first, which a run does once at its start);
 - LoRA weights and moments are gathered one tensor at a time (`full_tensor`), not with the whole model's state
   dict, whose frozen base weights would be gathered too;
 - saving gathers full, unsharded tensors (on the CPU) and writes the same adapter files, optimizer.pt and RNG
@@ -32,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from tinkerless.errors import ConfigError
-from tinkerless.functions.models import load_model
 from tinkerless.functions.policies import Policy, PolicyAdapters
+from tinkerless.functions.sharding import base_weights
 from tinkerless.functions.training.micro_batches import model_token_budget
 from tinkerless.functions.worker import Worker
 from tinkerless.wire.messages import (
@@ -58,9 +61,10 @@ class RankWorker(Worker):
         """`mesh`: the ranks' 1-D device mesh; `group`: a gloo group for gathering Python objects (results)."""
         # Several ranks: the CPU first, the model is sharded on its way to the GPU (`_shard`). One rank: straight to
         # its device, never sharded (see `_shard`). Sampling is not served here.
+        self.rank, self.world_size, self.mesh, self.group = rank, world_size, mesh, group
+        self.checkpoint: base_weights.Checkpoint | None = None  # where the base weights lie, read into the shards
         super().__init__(model, device=_load_device(world_size, device), engine="transformers", **options)
         self.device = device
-        self.rank, self.world_size, self.mesh, self.group = rank, world_size, mesh, group
         self.rank_args = {"rank": rank, "world_size": world_size}
         self.sharded = False
         self._fresh: dict[str, dict[str, torch.Tensor]] = {}  # each policy's init, for reset_policy
@@ -75,6 +79,17 @@ class RankWorker(Worker):
 
     rollout = rollout_multi = sample = _no_sampling
 
+    def _load_base_model(self, device: str) -> tuple[Any, Any]:
+        """Several ranks: placeholder base weights, each rank's share read from the checkpoint once sharded
+        (`base_weights`), so no rank holds the whole model; the whole model where the checkpoint cannot be read so."""
+        if self.world_size > 1:
+            found = base_weights.placeholder_model(self.model_name, self.dtype)
+            if found is not None:
+                model, tokenizer, self.checkpoint = found
+                return model, tokenizer
+        self.checkpoint = None
+        return super()._load_base_model(device)
+
     # ---- sharding ---------------------------------------------------------------
     def _shard(self) -> None:
         """FSDP2 over the model and every policy's adapter as they are now (fresh from their seeds).
@@ -88,6 +103,8 @@ class RankWorker(Worker):
         from transformers.modeling_layers import GradientCheckpointingLayer
 
         self._fresh.update(self._adapters_now())  # for reset_policy
+        if self.checkpoint is not None:
+            base_weights.placeholders_to_meta(self.model)
         # One unit per decoder layer: its weights are gathered for its own forward and backward only.
         for layer in [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]:
             fully_shard(layer, mesh=self.mesh)
@@ -97,6 +114,9 @@ class RankWorker(Worker):
                 # A plain sum (gloo has no pre-multiplied sum): micro-batches are weighted by their global share.
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
+        if self.checkpoint is not None:  # this rank's rows of every base weight, into its shards
+            base_weights.materialize(self.model, self.device)
+            base_weights.fill(self.model, self.checkpoint)
         for name, policy in self.policies.items():  # FSDP2 put new (sharded) parameters in place of the old ones
             policy.params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
             policy.optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
@@ -110,14 +130,14 @@ class RankWorker(Worker):
             self.model, adapter_name=name, save_embedding_layers=False).items()} for name in self.policies}
 
     def _rebuild(self, *, add: CreatePolicyRequest | None = None, drop: str | None = None) -> None:
-        """The model again with one policy more or less: full states out, base model reloaded, sharded, states in."""
+        """The model again with one policy more or less: full states out, base model rebuilt, sharded, states in."""
         states = [self.save_state(SaveStateRequest(name, include_optimizer=True)) for name in self.policies if name != drop]
         loras = {name: p.lora for name, p in self.policies.items() if name != drop}
         self.adapters = self.base_model = self.engine.model = None  # type: ignore[assignment]  (the old model, freed)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self.base_model, _ = load_model(self.model_name, dtype=self.dtype, device=_load_device(self.world_size, self.device))
+        self.base_model, _ = self._load_base_model(_load_device(self.world_size, self.device))
         self.adapters = PolicyAdapters(self.base_model)
         self.sharded, self._fresh = False, {}
         for name, lora in loras.items():
@@ -186,6 +206,8 @@ class RankWorker(Worker):
         return parts
 
     def forward(self, request: ForwardRequest) -> ForwardResult:
+        if not self.sharded:  # the base model's log-probs before any policy exists: its weights are read on sharding
+            self._shard()
         self._agree_on_budget()
         result = super().forward(request)
         parts = self._gather((result.logprobs, result.ref_logprobs))

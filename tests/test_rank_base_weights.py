@@ -1,0 +1,178 @@
+"""The base weights on the ranks of a sharded update (`sharding/base_weights.py`): no rank loads the whole model.
+
+- the model built with placeholder weights holds one element a parameter, and once filled from the checkpoint it
+  is the model `from_pretrained` loads, value for value (tied or untied, one file or an index of several, fp32
+  weights read into bf16);
+- on two ranks each rank's shard is its own rows of the checkpoint's tensors (uneven splits too), read after the
+  policy's LoRA weights were seeded as on one process, and the base model's log-probs before any policy equal
+  one process's;
+- a checkpoint that cannot be read in shards (.bin weights, a name the model does not have) loads whole, and the
+  ranks give the same log-probs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tinkerless.functions.models import _tiny_tokenizer, build_tiny_model, load_model
+from tinkerless.functions.sharding import base_weights
+from tinkerless.functions.sharding.group import ShardedWorker
+from tinkerless.functions.worker import Worker
+from tinkerless.wire.messages import BASE_POLICY, CreatePolicyRequest, Datum, ForwardRequest, LoraConfig
+
+
+def save_qwen2(path: Path, *, tied: bool, max_shard_size: str | None = None, safetensors: bool = True) -> str:
+    """A tiny random Qwen2 (vocabulary 259: an odd number of rows to split) saved as given."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = _tiny_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, initializer_range=0.2,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    tokenizer.save_pretrained(path)
+    if not safetensors:  # the older pickle format (transformers 5 writes safetensors only)
+        (path / "model.safetensors").unlink()
+        torch.save(model.state_dict(), path / "pytorch_model.bin")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def untied_in_files(tmp_path_factory) -> str:
+    path = save_qwen2(tmp_path_factory.mktemp("models") / "untied", tied=False, max_shard_size="20KB")
+    assert (Path(path) / "model.safetensors.index.json").is_file()
+    return path
+
+
+def assert_same_model(got, expected) -> None:
+    ours, theirs = got.state_dict(), expected.state_dict()
+    assert list(ours) == list(theirs)
+    for key in theirs:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+    tokens = torch.arange(3, 40).reshape(1, -1)
+    assert torch.equal(got(tokens).logits, expected(tokens).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("which", ["tied, one file", "untied, an index of files"])
+def test_placeholders_take_no_memory_and_fill_to_the_loaded_model(tiny_model, untied_in_files, which, dtype):
+    path = tiny_model if which.startswith("tied") else untied_in_files
+    found = base_weights.placeholder_model(path, dtype)
+    assert found is not None
+    model, tokenizer, checkpoint = found
+    for name, param in model.named_parameters():
+        assert param.dtype == dtype and (param.numel() == 1 or base_weights.is_placeholder(param)), name
+    expected, expected_tokenizer = load_model(path, dtype=dtype)
+    assert model.generation_config == expected.generation_config and tokenizer.padding_side == "left"
+    assert tokenizer.pad_token_id == expected_tokenizer.pad_token_id
+    for (name, buffer), (_, loaded) in zip(model.named_buffers(), expected.named_buffers(), strict=True):
+        assert torch.equal(buffer, loaded), name  # rotary frequencies are computed, not read
+
+    read = base_weights.fill(model, checkpoint)
+    assert read == sum(p.numel() for p in expected.parameters())  # a tied weight is read once
+    assert not any(base_weights.is_placeholder(p) for p in model.parameters())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == which.startswith("tied")
+    assert_same_model(model, expected)
+
+
+def test_a_checkpoint_that_cannot_be_read_in_shards_loads_whole(tmp_path, tiny_model, monkeypatch):
+    as_bin = save_qwen2(tmp_path / "bin", tied=True, safetensors=False)
+    assert base_weights.placeholder_model(as_bin, torch.float32) is None
+
+    from safetensors.torch import load_file, save_file
+
+    renamed = Path(build_tiny_model(tmp_path / "renamed"))
+    weights = load_file(renamed / "model.safetensors")
+    weights["model.norm.scale"] = weights.pop("model.norm.weight")  # a name transformers would have to map
+    save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
+    assert base_weights.placeholder_model(str(renamed), torch.float32) is None
+
+    monkeypatch.setenv("TINKERLESS_WHOLE_BASE_ON_RANKS", "1")
+    assert base_weights.placeholder_model(tiny_model, torch.float32) is None
+
+
+def test_a_saved_non_persistent_buffer_is_ignored_as_from_pretrained_ignores_it(tmp_path):
+    """Old checkpoints hold rotary frequencies; the model computes its own (a stale file value must not win)."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(build_tiny_model(tmp_path / "with-inv-freq"))
+    weights = load_file(path / "model.safetensors")
+    weights["model.rotary_emb.inv_freq"] = torch.full((8,), 7.0)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    model, _, checkpoint = base_weights.placeholder_model(str(path), torch.float32)
+    base_weights.fill(model, checkpoint)
+    assert_same_model(model, load_model(str(path))[0])
+    assert not torch.equal(model.model.rotary_emb.inv_freq, torch.full((8,), 7.0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(0, 300), world_size=st.integers(1, 8))
+def test_each_rank_reads_the_rows_fsdp2_keeps_on_it(rows, world_size):
+    """torch.chunk's split of dim 0, which FSDP2 shards by: ceil(rows / N) a rank, the last ranks fewer or none."""
+    chunks = torch.arange(rows).chunk(world_size) if rows else ()
+    for rank in range(world_size):
+        start, stop = base_weights.rows_of_rank(rows, rank, world_size)
+        expected = chunks[rank].tolist() if rank < len(chunks) else []
+        assert list(range(start, stop)) == expected
+
+
+def check_shards_against_checkpoint(worker) -> None:
+    """A rank hook: before any policy the weights are placeholders; after create_policy each base weight's local
+    shard is this rank's rows of the checkpoint's tensor, and the LoRA weights are the single process's."""
+    from safetensors.torch import load_file
+
+    assert worker.checkpoint is not None, "the rank loaded the whole model"
+    assert all(base_weights.is_placeholder(p) for p in worker.model.parameters() if p.numel() > 1)
+    create = worker.create_policy
+
+    def create_and_check(request):
+        reply = create(request)
+        whole = {}
+        for name in sorted(set(worker.checkpoint.file_of.values())):
+            whole.update(load_file(Path(worker.checkpoint.directory) / name))
+        for module in worker.model.modules():
+            for name, key in getattr(module, "_tinkerless_checkpoint_keys", {}).items():
+                param = module._parameters[name]
+                start, stop = base_weights.rows_of_rank(param.shape[0], worker.rank, worker.world_size)
+                local = param.to_local()
+                assert local.data_ptr() != 0 and torch.equal(local, whole[key][start:stop].to(local.dtype)), key
+        return reply
+
+    worker.create_policy = create_and_check
+
+
+def base_logprobs(worker) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    data = []
+    for n in (5, 9, 13):
+        mask = np.zeros(n, np.float32)
+        mask[1:] = 1
+        data.append(Datum(rng.integers(0, 255, n).astype(np.int32), mask))
+    return worker.forward(ForwardRequest(BASE_POLICY, data)).logprobs
+
+
+@pytest.mark.parametrize("which", ["untied, an index of files", "tied, .bin weights: loaded whole"])
+def test_two_ranks_hold_their_own_rows_and_score_as_one_process(tmp_path, untied_in_files, which):
+    path = untied_in_files if which.startswith("untied") else save_qwen2(tmp_path / "bin", tied=True, safetensors=False)
+    hook = check_shards_against_checkpoint if which.startswith("untied") else None
+    one = Worker(path, micro_batch_size=2)
+    group = ShardedWorker(path, world_size=2, device="cpu", micro_batch_size=2, rank_hook=hook, grace_s=5.0)
+    try:
+        # Before any policy: the ranks shard the base model to answer (placeholders are read on sharding).
+        for ours, theirs in zip(base_logprobs(group), base_logprobs(one), strict=True):
+            np.testing.assert_allclose(ours, theirs, atol=1e-5)
+        lora = LoraConfig(rank=4, alpha=8, seed=3)
+        one.create_policy(CreatePolicyRequest("p", lora))
+        group.create_policy(CreatePolicyRequest("p", lora))  # the ranks rebuild with the policy, and check their rows
+        for ours, theirs in zip(base_logprobs(group), base_logprobs(one), strict=True):
+            np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    finally:
+        group.close()

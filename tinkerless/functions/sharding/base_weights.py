@@ -1,0 +1,243 @@
+"""The frozen base model on the ranks of a sharded update, without any rank holding all of it.
+
+Loading the model whole on every rank (`from_pretrained`, then FSDP2 cuts it) costs N full copies of host memory
+for N ranks: 8 x 140 GB for a 70B model in bf16, more than most 8-GPU machines have. Instead each rank:
+1. builds the model from its config with placeholder weights (`placeholder_model`): every base parameter has its
+   true shape and dtype but one element of memory (a zero expanded to the shape). peft wraps it as it would the
+   real model, so each policy's LoRA weights are made, seeded and cast exactly as on one process;
+2. is sharded by FSDP2 (`RankWorker._shard`), which keeps 1/N of every parameter on each rank;
+3. reads its 1/N of each base weight from the checkpoint's safetensors files into its shard (`fill`): safetensors
+   reads row ranges from the memory-mapped file, so no rank reads a whole tensor.
+
+A checkpoint that does not match the model one name and shape for one parameter (a .bin checkpoint, names that
+transformers renames or fuses while loading, a quantized model) gives None from `placeholder_model`, and the rank
+loads the model whole as before. TINKERLESS_WHOLE_BASE_ON_RANKS=1 forces that (a comparison, or a way round a
+checkpoint this reads wrongly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from tinkerless.functions.models import finish_loading, resolve_model
+
+log = logging.getLogger(__name__)
+
+# Set on each module that owns placeholder parameters: {parameter name in the module: its checkpoint key}. A module
+# attribute, because FSDP2 and peft replace the parameters (and their attributes) but keep the modules.
+_KEYS_ATTRIBUTE = "_tinkerless_checkpoint_keys"
+
+
+@dataclass
+class Checkpoint:
+    """Where each base weight of a model lies: the safetensors file holding each key, and the key's shape."""
+
+    directory: Path
+    file_of: dict[str, str] = field(default_factory=dict)
+    shape_of: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, directory: Path) -> Checkpoint | None:
+        """The checkpoint's table of contents (headers only), or None where it is not safetensors."""
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (directory / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            return None
+        found = cls(directory)
+        for name in files:
+            with safe_open(directory / name, framework="pt") as handle:
+                for key in handle.keys():
+                    found.file_of[key] = name
+                    found.shape_of[key] = tuple(handle.get_slice(key).get_shape())
+        return found
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[dict[str, Any]]:
+        """Every file of the checkpoint open (memory-mapped), by name."""
+        from safetensors import safe_open
+
+        with contextlib.ExitStack() as stack:
+            yield {name: stack.enter_context(safe_open(self.directory / name, framework="pt"))
+                   for name in sorted(set(self.file_of.values()))}
+
+
+def whole_model_forced() -> bool:
+    return os.environ.get("TINKERLESS_WHOLE_BASE_ON_RANKS", "") not in ("", "0")
+
+
+def placeholder_model(spec: str, dtype: torch.dtype) -> tuple[Any, Any, Checkpoint] | None:
+    """The model `spec` with placeholder base weights, its tokenizer, and where its real weights lie; or None (with a
+    log line saying why) where the checkpoint cannot be read in shards and the model must be loaded whole."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    if whole_model_forced():
+        return None
+    source = Path(resolve_model(spec))
+    if not source.is_dir():  # a hub id: from_pretrained downloads it (or finds it in the cache) on the whole path
+        return _whole(spec, "it is not a local directory")
+    config = AutoConfig.from_pretrained(source)
+    if getattr(config, "quantization_config", None) is not None:
+        return _whole(spec, "it is quantized")
+    checkpoint = Checkpoint.read(source)
+    if checkpoint is None:
+        return _whole(spec, "its weights are not safetensors")
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing = _use_placeholders(model, checkpoint)
+    if missing:
+        return _whole(spec, f"{len(missing)} parameters have no checkpoint key of their name and shape ({missing[0]}, ...)")
+    _load_saved_buffers(model, checkpoint)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:  # no generation_config.json: the one from_config made from the config stands
+        pass
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return (*finish_loading(model, tokenizer, device="cpu"), checkpoint)
+
+
+def _whole(spec: str, why: str) -> None:
+    log.warning("model %s loads whole on every rank (a host copy each) before sharding: %s", spec, why)
+    return None
+
+
+@torch.no_grad()
+def _load_saved_buffers(model: Any, checkpoint: Checkpoint) -> None:
+    """Persistent buffers the checkpoint holds take its values, as from_pretrained gives them (small: read whole).
+    Non-persistent ones (rotary frequencies) keep what init computed, as from_pretrained ignores them in a file."""
+    persistent = set(model.state_dict())
+    with checkpoint.opened() as files:
+        for name, buffer in model.named_buffers():
+            if name in persistent and checkpoint.shape_of.get(name) == tuple(buffer.shape):
+                buffer.copy_(files[checkpoint.file_of[name]].get_tensor(name).to(buffer.dtype))
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built in this block get their parameters on the meta device (no memory, no init cost) and their
+    buffers as usual: non-persistent buffers such as rotary frequencies are computed at init, not loaded.
+
+    accelerate's `init_empty_weights(include_buffers=False)` does this too, but it wraps a parameter that is on
+    the meta device already in a new object, so an output head tied to the embedding stops being the same one."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _use_placeholders(model: Any, checkpoint: Checkpoint) -> list[str]:
+    """Each meta parameter becomes a one-element placeholder of its shape (tied parameters stay one object); each
+    module notes its parameters' checkpoint keys. Returns the parameters the checkpoint has no key for."""
+    names: dict[int, list[str]] = {}  # a parameter's names: several where it is tied (embedding and output head)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    placeholders: dict[int, torch.nn.Parameter] = {}
+    missing = []
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            key = next((k for k in names[id(param)] if checkpoint.shape_of.get(k) == tuple(param.shape)), None)
+            if key is None:
+                missing.append(f"{module_name}.{name}".lstrip("."))
+                continue
+            if id(param) not in placeholders:
+                zero = torch.zeros((), dtype=param.dtype).expand(param.shape)
+                placeholders[id(param)] = torch.nn.Parameter(zero, requires_grad=param.requires_grad)
+            module._parameters[name] = placeholders[id(param)]
+            getattr(module, _KEYS_ATTRIBUTE, None) or setattr(module, _KEYS_ATTRIBUTE, {})
+            getattr(module, _KEYS_ATTRIBUTE)[name] = key
+    return missing
+
+
+def placeholders_to_meta(model: Any) -> None:
+    """Every placeholder parameter on the meta device instead (FSDP2 shards only contiguous tensors; a meta one
+    it shards without memory). Tied parameters stay one object."""
+    on_meta: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name in getattr(module, _KEYS_ATTRIBUTE, {}):
+            param = module._parameters[name]
+            if id(param) not in on_meta:
+                meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+                on_meta[id(param)] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+            module._parameters[name] = on_meta[id(param)]
+
+
+def materialize(model: Any, device: str) -> None:
+    """Memory on `device` for the rank's shard of every meta parameter, uninitialized until `fill`. Through
+    `Module._apply`, which FSDP2 follows (each sharded module re-registers its shards), as `to_empty` does; but
+    only meta tensors: the policies' LoRA weights and the buffers keep their values."""
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+
+
+def rows_of_rank(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The rows [start, stop) of a tensor that FSDP2 keeps on `rank`: torch.chunk's split of dim 0 (ceil(rows / N)
+    a rank, the last ranks fewer or none)."""
+    per_rank = -(-rows // world_size)
+    start = min(rows, rank * per_rank)
+    return start, min(rows, start + per_rank)
+
+
+@torch.no_grad()
+def fill(model: Any, checkpoint: Checkpoint) -> int:
+    """Copy each placeholder parameter's real values from the checkpoint: this rank's rows of a sharded parameter,
+    the whole of one that is not sharded. Returns the number of elements read."""
+    read, filled = 0, {}  # filled: id of a parameter (before) -> the parameter filled (tied ones are filled once)
+    with checkpoint.opened() as files:
+        for module in model.modules():
+            for name, key in getattr(module, _KEYS_ATTRIBUTE, {}).items():
+                param = module._parameters[name]
+                if id(param) not in filled:
+                    kept, destination, (start, stop) = _rows_held(param)
+                    source = files[checkpoint.file_of[key]].get_slice(key)
+                    values = source[start:stop] if param.dim() else source[...]
+                    destination.copy_(values.to(destination.dtype))
+                    read += values.numel()
+                    filled[id(param)] = kept
+                module._parameters[name] = filled[id(param)]
+    return read
+
+
+def _rows_held(param: Any) -> tuple[Any, torch.Tensor, tuple[int, int]]:
+    """The parameter the module keeps, the tensor this rank's part of it is copied into, and the rows of the whole
+    that part is: a sharded parameter, its local tensor and its rows; for one that is not sharded, a new parameter
+    of real memory in place of the placeholder, and every row."""
+    if not hasattr(param, "device_mesh"):
+        whole = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=param.device),
+                                   requires_grad=param.requires_grad)
+        return whole, whole.data, (0, param.shape[0] if param.dim() else 0)
+    from torch.distributed.tensor import Shard
+
+    if len(param.placements) != 1 or param.placements[0] != Shard(0):
+        raise NotImplementedError(f"a parameter sharded as {param.placements}: the ranks shard dim 0 over one mesh")
+    mesh = param.device_mesh
+    start, stop = rows_of_rank(param.shape[0], mesh.get_local_rank(), mesh.size())
+    local = param.to_local()
+    if local.shape[0] != stop - start:
+        raise RuntimeError(f"FSDP2 kept {local.shape[0]} rows of {tuple(param.shape)} on this rank, not {stop - start}")
+    return param, local, (start, stop)
+
+
+def is_placeholder(param: torch.Tensor) -> bool:
+    """A parameter not yet filled: one element of memory for a tensor of more."""
+    return param.numel() > 1 and param.untyped_storage().nbytes() <= param.element_size()
