@@ -170,24 +170,31 @@ def _use_placeholders(model: Any, checkpoint: Checkpoint) -> list[str]:
     return missing
 
 
-def placeholders_to_meta(model: Any) -> None:
-    """Every placeholder parameter on the meta device instead (FSDP2 shards only contiguous tensors; a meta one
-    it shards without memory). Tied parameters stay one object."""
+def parameters_to_meta(model: Any) -> dict[str, torch.Tensor]:
+    """Every parameter (placeholders and LoRA weights) onto the meta device, tied ones kept one object, so that FSDP2
+    shards them without memory (it refuses a placeholder: not contiguous); returns a copy of every buffer, for
+    `materialize`. The LoRA weights' values are the caller's to load back (`RankWorker._shard`)."""
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     on_meta: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
-        for name in getattr(module, _KEYS_ATTRIBUTE, {}):
-            param = module._parameters[name]
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
             if id(param) not in on_meta:
                 meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
                 on_meta[id(param)] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
             module._parameters[name] = on_meta[id(param)]
+    return buffers
 
 
-def materialize(model: Any, device: str) -> None:
-    """Memory on `device` for the rank's shard of every meta parameter, uninitialized until `fill`. Through
-    `Module._apply`, which FSDP2 follows (each sharded module re-registers its shards), as `to_empty` does; but
-    only meta tensors: the policies' LoRA weights and the buffers keep their values."""
-    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+@torch.no_grad()
+def materialize(model: Any, device: str, buffers: dict[str, torch.Tensor]) -> None:
+    """Memory on `device` for the rank's shard of every parameter (uninitialized until `fill` and the LoRA weights
+    load), as torchtitan makes an FSDP2 model built on the meta device: `to_empty`, which FSDP2 follows (each
+    sharded module re-registers its shards). `to_empty` empties the buffers too: their values come back."""
+    model.to_empty(device=device)
+    for name, buffer in model.named_buffers():
+        buffer.copy_(buffers[name])
 
 
 def rows_of_rank(rows: int, rank: int, world_size: int) -> tuple[int, int]:

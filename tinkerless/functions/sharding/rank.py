@@ -99,12 +99,12 @@ class RankWorker(Worker):
         else (the process, the requests to every rank, the gathered results, the watchdog) runs as for N."""
         if self.world_size == 1:
             return
+        from peft.utils import set_peft_model_state_dict
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from transformers.modeling_layers import GradientCheckpointingLayer
 
-        self._fresh.update(self._adapters_now())  # for reset_policy
-        if self.checkpoint is not None:
-            base_weights.placeholders_to_meta(self.model)
+        self._fresh.update(self._adapters_now())  # for reset_policy, and below
+        buffers = base_weights.parameters_to_meta(self.model) if self.checkpoint is not None else None
         # One unit per decoder layer: its weights are gathered for its own forward and backward only.
         for layer in [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]:
             fully_shard(layer, mesh=self.mesh)
@@ -114,13 +114,15 @@ class RankWorker(Worker):
                 # A plain sum (gloo has no pre-multiplied sum): micro-batches are weighted by their global share.
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
-        if self.checkpoint is not None:  # this rank's rows of every base weight, into its shards
-            base_weights.materialize(self.model, self.device)
+        self.sharded = True
+        if buffers is not None:  # sharded on the meta device: this rank's rows of every base weight, its LoRA shards
+            base_weights.materialize(self.model, self.device, buffers)
             base_weights.fill(self.model, self.checkpoint)
+            for name in self.policies:
+                set_peft_model_state_dict(self.model, self._weights_to_load(self._fresh[name]), adapter_name=name)
         for name, policy in self.policies.items():  # FSDP2 put new (sharded) parameters in place of the old ones
             policy.params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
             policy.optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
-        self.sharded = True
 
     def _adapters_now(self) -> dict[str, dict[str, torch.Tensor]]:
         """A copy of each policy's adapter weights as they are now."""
