@@ -2,7 +2,7 @@
 
 - the model built with placeholder weights holds one element a parameter, and once filled from the checkpoint it
   is the model `from_pretrained` loads, value for value (tied or untied, one file or an index of several, fp32
-  weights read into bf16);
+  weights read into bf16; a local directory or a Hub id's snapshot in the HF cache);
 - on two ranks each rank's shard is its own rows of the checkpoint's tensors (uneven splits too), read after the
   policy's LoRA weights were seeded as on one process, and the base model's log-probs before any policy equal
   one process's;
@@ -81,6 +81,23 @@ def test_placeholders_take_no_memory_and_fill_to_the_loaded_model(tiny_model, un
     assert not any(base_weights.is_placeholder(p) for p in model.parameters())
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == which.startswith("tied")
     assert_same_model(model, expected)
+
+
+def test_a_hub_id_reads_its_snapshot_in_the_hf_cache(tmp_path, tiny_model, monkeypatch):
+    """A model named by its Hub id (as on Modal, whose Volume holds the HF cache) is read in shards as well; one the
+    cache does not hold, offline, loads whole (from_pretrained then says what is missing)."""
+    import huggingface_hub.constants
+
+    from tinkerless.functions.hf_cache import place_in_hf_cache
+
+    snapshot = place_in_hf_cache(tiny_model, "tinkerless-test/tiny", cache_dir=tmp_path / "hub")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    model, _, checkpoint = base_weights.placeholder_model("tinkerless-test/tiny", torch.float32)
+    assert Path(checkpoint.directory) == snapshot
+    base_weights.fill(model, checkpoint)
+    assert_same_model(model, load_model(tiny_model)[0])
+    assert base_weights.placeholder_model("tinkerless-test/not-in-the-cache", torch.float32) is None
 
 
 def test_a_checkpoint_that_cannot_be_read_in_shards_loads_whole(tmp_path, tiny_model, monkeypatch):

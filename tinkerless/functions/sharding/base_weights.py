@@ -1,13 +1,16 @@
 """The frozen base model on the ranks of a sharded update, without any rank holding all of it.
 
-Loading the model whole on every rank (`from_pretrained`, then FSDP2 cuts it) costs N full copies of host memory
-for N ranks: 8 x 140 GB for a 70B model in bf16, more than most 8-GPU machines have. Instead each rank:
+Loading the model whole on every rank (`from_pretrained`, then FSDP2 cuts it) puts every weight in every rank.
+Where the file's dtype is the run's, transformers memory-maps it and the ranks share its pages; where the weights
+are cast while loading (an fp32 checkpoint trained in bf16), each rank holds a private copy of the whole model
+until it is sharded: N copies for N ranks, 8 x 140 GB for a 70B model. Instead each rank:
 1. builds the model from its config with placeholder weights (`placeholder_model`): every base parameter has its
    true shape and dtype but one element of memory (a zero expanded to the shape). peft wraps it as it would the
    real model, so each policy's LoRA weights are made, seeded and cast exactly as on one process;
-2. is sharded by FSDP2 (`RankWorker._shard`), which keeps 1/N of every parameter on each rank;
+2. is sharded by FSDP2 over the meta device (`RankWorker._shard`, with `parameters_to_meta` and `materialize`),
+   keeping memory for its 1/N of every parameter only;
 3. reads its 1/N of each base weight from the checkpoint's safetensors files into its shard (`fill`): safetensors
-   reads row ranges from the memory-mapped file, so no rank reads a whole tensor.
+   reads row ranges from the memory-mapped file, so no rank reads a whole tensor, and casts only those rows.
 
 A checkpoint that does not match the model one name and shape for one parameter (a .bin checkpoint, names that
 transformers renames or fuses while loading, a quantized model) gives None from `placeholder_model`, and the rank
@@ -85,9 +88,9 @@ def placeholder_model(spec: str, dtype: torch.dtype) -> tuple[Any, Any, Checkpoi
 
     if whole_model_forced():
         return None
-    source = Path(resolve_model(spec))
-    if not source.is_dir():  # a hub id: from_pretrained downloads it (or finds it in the cache) on the whole path
-        return _whole(spec, "it is not a local directory")
+    source = _local_directory(spec)
+    if source is None:
+        return None
     config = AutoConfig.from_pretrained(source)
     if getattr(config, "quantization_config", None) is not None:
         return _whole(spec, "it is quantized")
@@ -106,6 +109,25 @@ def placeholder_model(spec: str, dtype: torch.dtype) -> tuple[Any, Any, Checkpoi
         pass
     tokenizer = AutoTokenizer.from_pretrained(source)
     return (*finish_loading(model, tokenizer, device="cpu"), checkpoint)
+
+
+# What from_pretrained reads of a Hub repository: configs, safetensors weights, tokenizer files (not, say, the
+# `original/` PyTorch copy some repositories also carry).
+_HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+
+
+def _local_directory(spec: str) -> Path | None:
+    """The directory holding `spec`'s files: itself, or a Hub id's snapshot in the HF cache (downloaded if it is not
+    there and the Hub can be reached). None where there is none: the whole load then reports why."""
+    source = resolve_model(spec)
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, allow_patterns=list(_HUB_FILES)))
+    except Exception as exc:  # noqa: BLE001 - offline, no such repository, no access: from_pretrained says which
+        return _whole(spec, f"no local copy of its files ({type(exc).__name__})")
 
 
 def _whole(spec: str, why: str) -> None:
