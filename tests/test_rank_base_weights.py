@@ -83,6 +83,46 @@ def test_placeholders_take_no_memory_and_fill_to_the_loaded_model(tiny_model, un
     assert_same_model(model, expected)
 
 
+ARCHITECTURES = {  # name: (config class, model class, options beyond the common tiny ones, read in shards?)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, True),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}, True),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}, True),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}, True),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8}, True),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8}, True),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}, True),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, True),
+    # transformers fuses MoE experts while loading: the names differ from the file's, so these load whole
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}, None),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 16}, None),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}, None),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_every_architecture_is_read_as_from_pretrained_reads_it_or_loads_whole(tmp_path, architecture):
+    """Names and shapes that match the file are read as they are: nothing transformers would change while loading
+    may pass that check. Dense models are read in shards; where transformers maps names (fused MoE experts), whole."""
+    import transformers
+
+    config_class, model_class, options, in_shards = ARCHITECTURES[architecture]
+    tokenizer = _tiny_tokenizer()
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **options)
+    torch.manual_seed(0)
+    getattr(transformers, model_class)(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    found = base_weights.placeholder_model(str(tmp_path), torch.float32)
+    if in_shards is not None:
+        assert (found is not None) == in_shards
+    if found is not None:
+        model, _, checkpoint = found
+        base_weights.fill(model, checkpoint)
+        assert_same_model(model, load_model(str(tmp_path))[0])
+
+
 def test_a_hub_id_reads_its_snapshot_in_the_hf_cache(tmp_path, tiny_model, monkeypatch):
     """A model named by its Hub id (as on Modal, whose Volume holds the HF cache) is read in shards as well; one the
     cache does not hold, offline, loads whole (from_pretrained then says what is missing)."""

@@ -131,7 +131,7 @@ def _local_directory(spec: str) -> Path | None:
 
 
 def _whole(spec: str, why: str) -> None:
-    log.warning("model %s loads whole on every rank (a host copy each) before sharding: %s", spec, why)
+    log.warning("model %s is loaded whole by every rank before it is sharded (not each rank its rows): %s", spec, why)
     return None
 
 
