@@ -123,20 +123,22 @@ def test_every_architecture_is_read_as_from_pretrained_reads_it_or_loads_whole(t
         assert_same_model(model, load_model(str(tmp_path))[0])
 
 
-def test_a_hub_id_reads_its_snapshot_in_the_hf_cache(tmp_path, tiny_model, monkeypatch):
+@pytest.mark.parametrize("which", ["tied, one file", "untied, an index of files"])
+def test_a_hub_id_reads_its_snapshot_in_the_hf_cache(tmp_path, tiny_model, untied_in_files, which, monkeypatch):
     """A model named by its Hub id (as on Modal, whose Volume holds the HF cache) is read in shards as well; one the
     cache does not hold, offline, loads whole (from_pretrained then says what is missing)."""
     import huggingface_hub.constants
 
     from tinkerless.functions.hf_cache import place_in_hf_cache
 
-    snapshot = place_in_hf_cache(tiny_model, "tinkerless-test/tiny", cache_dir=tmp_path / "hub")
+    path = tiny_model if which.startswith("tied") else untied_in_files
+    snapshot = place_in_hf_cache(path, "tinkerless-test/tiny", cache_dir=tmp_path / "hub")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     model, _, checkpoint = base_weights.placeholder_model("tinkerless-test/tiny", torch.float32)
     assert Path(checkpoint.directory) == snapshot
     base_weights.fill(model, checkpoint)
-    assert_same_model(model, load_model(tiny_model)[0])
+    assert_same_model(model, load_model(path)[0])
     assert base_weights.placeholder_model("tinkerless-test/not-in-the-cache", torch.float32) is None
 
 

@@ -111,9 +111,9 @@ def placeholder_model(spec: str, dtype: torch.dtype) -> tuple[Any, Any, Checkpoi
     return (*finish_loading(model, tokenizer, device="cpu"), checkpoint)
 
 
-# What from_pretrained reads of a Hub repository: configs, safetensors weights, tokenizer files (not, say, the
-# `original/` PyTorch copy some repositories also carry).
-_HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+# The files of a Hub repository besides its weights that from_pretrained reads: configs, the weights' index,
+# tokenizer files.
+_HUB_FILES = ("*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken")
 
 
 def _local_directory(spec: str) -> Path | None:
@@ -125,7 +125,12 @@ def _local_directory(spec: str) -> Path | None:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(source, allow_patterns=list(_HUB_FILES)))
+        directory = Path(snapshot_download(source, allow_patterns=list(_HUB_FILES)))
+        # Then the weights the index names, as from_pretrained takes them: not every .safetensors file (some
+        # repositories also carry the original, consolidated weights, a second copy).
+        index = directory / "model.safetensors.index.json"
+        weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+        return Path(snapshot_download(source, allow_patterns=weights))
     except Exception as exc:  # noqa: BLE001 - offline, no such repository, no access: from_pretrained says which
         return _whole(spec, f"no local copy of its files ({type(exc).__name__})")
 
