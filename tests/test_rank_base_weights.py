@@ -100,8 +100,9 @@ ARCHITECTURES = {  # name: (config class, model class, options beyond the common
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_every_architecture_is_read_as_from_pretrained_reads_it_or_loads_whole(tmp_path, architecture):
+def test_every_architecture_is_read_as_from_pretrained_reads_it_or_loads_whole(tmp_path, architecture, dtype):
     """Names and shapes that match the file are read as they are: nothing transformers would change while loading
     may pass that check. Dense models are read in shards; where transformers maps names (fused MoE experts), whole."""
     import transformers
@@ -114,13 +115,22 @@ def test_every_architecture_is_read_as_from_pretrained_reads_it_or_loads_whole(t
     torch.manual_seed(0)
     getattr(transformers, model_class)(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    found = base_weights.placeholder_model(str(tmp_path), torch.float32)
+    found = base_weights.placeholder_model(str(tmp_path), dtype)
     if in_shards is not None:
         assert (found is not None) == in_shards
     if found is not None:
         model, _, checkpoint = found
         base_weights.fill(model, checkpoint)
-        assert_same_model(model, load_model(str(tmp_path))[0])
+        assert_same_model(model, load_model(str(tmp_path), dtype=dtype)[0])
+
+
+def test_a_model_transformers_keeps_partly_in_fp32_loads_whole_in_bf16(tiny_model, monkeypatch):
+    """from_pretrained upcasts `_keep_in_fp32_modules` (MoE routers, some norms); a bf16 skeleton would not."""
+    from transformers import Qwen2ForCausalLM
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "_keep_in_fp32_modules", ["norm"])
+    assert base_weights.placeholder_model(tiny_model, torch.bfloat16) is None
+    assert base_weights.placeholder_model(tiny_model, torch.float32) is not None
 
 
 @pytest.mark.parametrize("which", ["tied, one file", "untied, an index of files"])

@@ -99,6 +99,9 @@ def placeholder_model(spec: str, dtype: torch.dtype) -> tuple[Any, Any, Checkpoi
         return _whole(spec, "its weights are not safetensors")
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    kept_fp32 = [*(getattr(model, "_keep_in_fp32_modules", None) or []), *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
+    if kept_fp32 and dtype != torch.float32:  # from_pretrained keeps these in fp32 whatever the run's dtype
+        return _whole(spec, f"transformers keeps {kept_fp32} of it in fp32")
     missing = _use_placeholders(model, checkpoint)
     if missing:
         return _whole(spec, f"{len(missing)} parameters have no checkpoint key of their name and shape ({missing[0]}, ...)")
