@@ -6,8 +6,10 @@
 - on two ranks each rank's shard is its own rows of the checkpoint's tensors (uneven splits too), read after the
   policy's LoRA weights were seeded as on one process, and the base model's log-probs before any policy equal
   one process's;
-- a checkpoint that cannot be read in shards (.bin weights, a name the model does not have) loads whole, and the
-  ranks give the same log-probs.
+- a checkpoint that cannot be read in shards (.bin weights, a name the model does not have, modules transformers
+  keeps in fp32 in a bf16 run) loads whole, and the ranks give the same log-probs;
+- across eleven architectures, each is either read exactly as `from_pretrained` reads it (every dense one) or
+  loads whole (fused MoE experts, a renamed head), in fp32 and bf16.
 """
 
 from __future__ import annotations
