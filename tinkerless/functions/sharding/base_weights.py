@@ -26,7 +26,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -52,12 +52,8 @@ class Checkpoint:
         """The checkpoint's table of contents (headers only), or None where it is not safetensors."""
         from safetensors import safe_open
 
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (directory / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
+        files = _weight_files(directory)
+        if not all((directory / name).is_file() for name in files):
             return None
         found = cls(directory)
         for name in files:
@@ -75,6 +71,14 @@ class Checkpoint:
         with contextlib.ExitStack() as stack:
             yield {name: stack.enter_context(safe_open(self.directory / name, framework="pt"))
                    for name in sorted(set(self.file_of.values()))}
+
+
+def _weight_files(directory: Path) -> list[str]:
+    """The safetensors files of a checkpoint directory: those its index names, else the one `model.safetensors`."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"]
 
 
 def whole_model_forced() -> bool:
@@ -131,9 +135,7 @@ def _local_directory(spec: str) -> Path | None:
         directory = Path(snapshot_download(source, allow_patterns=list(_HUB_FILES)))
         # Then the weights the index names, as from_pretrained takes them: not every .safetensors file (some
         # repositories also carry the original, consolidated weights, a second copy).
-        index = directory / "model.safetensors.index.json"
-        weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-        return Path(snapshot_download(source, allow_patterns=weights))
+        return Path(snapshot_download(source, allow_patterns=_weight_files(directory)))
     except Exception as exc:  # noqa: BLE001 - offline, no such repository, no access: from_pretrained says which
         return _whole(spec, f"no local copy of its files ({type(exc).__name__})")
 
@@ -176,45 +178,49 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def _use_placeholders(model: Any, checkpoint: Checkpoint) -> list[str]:
-    """Each meta parameter becomes a one-element placeholder of its shape (tied parameters stay one object); each
-    module notes its parameters' checkpoint keys. Returns the parameters the checkpoint has no key for."""
+    """Each module notes its parameters' checkpoint keys and every parameter becomes a one-element placeholder of
+    its shape. Returns the parameters the checkpoint has no key for (then nothing is replaced)."""
     names: dict[int, list[str]] = {}  # a parameter's names: several where it is tied (embedding and output head)
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    placeholders: dict[int, torch.nn.Parameter] = {}
     missing = []
     for module_name, module in model.named_modules():
-        for name, param in list(module._parameters.items()):
+        keys = {}
+        for name, param in module._parameters.items():
             if param is None:
                 continue
             key = next((k for k in names[id(param)] if checkpoint.shape_of.get(k) == tuple(param.shape)), None)
             if key is None:
                 missing.append(f"{module_name}.{name}".lstrip("."))
-                continue
-            if id(param) not in placeholders:
-                zero = torch.zeros((), dtype=param.dtype).expand(param.shape)
-                placeholders[id(param)] = torch.nn.Parameter(zero, requires_grad=param.requires_grad)
-            module._parameters[name] = placeholders[id(param)]
-            getattr(module, _KEYS_ATTRIBUTE, None) or setattr(module, _KEYS_ATTRIBUTE, {})
-            getattr(module, _KEYS_ATTRIBUTE)[name] = key
+            else:
+                keys[name] = key
+        if keys:
+            setattr(module, _KEYS_ATTRIBUTE, keys)
+    if not missing:
+        _replace_parameters(model, lambda param: torch.zeros((), dtype=param.dtype).expand(param.shape))
     return missing
 
 
 def parameters_to_meta(model: Any) -> dict[str, torch.Tensor]:
-    """Every parameter (placeholders and LoRA weights) onto the meta device, tied ones kept one object, so that FSDP2
-    shards them without memory (it refuses a placeholder: not contiguous); returns a copy of every buffer, for
-    `materialize`. The LoRA weights' values are the caller's to load back (`RankWorker._shard`)."""
+    """Every parameter (placeholders and LoRA weights) onto the meta device, so that FSDP2 shards them without
+    memory (it refuses a placeholder: not contiguous); returns a copy of every buffer, for `materialize`. The LoRA
+    weights' values are the caller's to load back (`RankWorker._shard`)."""
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    on_meta: dict[int, torch.nn.Parameter] = {}
+    _replace_parameters(model, lambda param: torch.empty(param.shape, dtype=param.dtype, device="meta"))
+    return buffers
+
+
+def _replace_parameters(model: Any, make: Callable[[torch.nn.Parameter], torch.Tensor]) -> None:
+    """Each parameter replaced by a new one holding `make(parameter)`, in every module that holds it: a tied
+    parameter stays one object (`Module.to` would make the embedding and the output head two)."""
+    replaced: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is None:
                 continue
-            if id(param) not in on_meta:
-                meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
-                on_meta[id(param)] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
-            module._parameters[name] = on_meta[id(param)]
-    return buffers
+            if id(param) not in replaced:
+                replaced[id(param)] = torch.nn.Parameter(make(param), requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
 
 
 @torch.no_grad()
