@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None, help="tokens a sequence (128 on a CPU, 192 on a GPU)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in all (split between the ranks)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="on a GPU too: load every configuration at once and alternate their steps (needs the memory "
+                             "of all of them; a card's clock and the host's noise then fall on each alike)")
     parser.add_argument("--out", default="sharded_update.jsonl")
     args = parser.parse_args()
     gpu = args.device == "cuda"
@@ -50,7 +53,8 @@ def main() -> None:
     out = Path(args.out)
     out.write_text("")
     header = {"what": "device", "device": _device_name(gpu), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "threads": args.threads, "steps": args.steps}
+              "threads": args.threads, "steps": args.steps,
+              "interleaved": not gpu or args.interleave}
     _write(out, header)
     rows = []
     for shape in shapes:
@@ -60,7 +64,8 @@ def main() -> None:
             n_tokens = args.tokens or (128 if not gpu else 192)
             data = _data(n_rows, n_tokens)
             configs = [("worker", 1), *(("sharded", w) for w in worlds)]
-            measured = _interleaved(configs, model_dir, data, args) if not gpu else _one_by_one(configs, model_dir, data, args)
+            measure = _one_by_one if gpu and not args.interleave else _interleaved
+            measured = measure(configs, model_dir, data, args)
             for (kind, world), row in zip(configs, measured):
                 row.update(shape=shape, what=kind, world_size=world, rows=n_rows, tokens=n_tokens)
                 _write(out, row)
@@ -101,7 +106,7 @@ def _interleaved(configs: list, model_dir: str, data: list, args) -> list[dict]:
                 seconds[i].append(took)
     finally:
         for worker, _ in started:
-            _stop(worker, False)
+            _stop(worker, args.device == "cuda")
     return [_row(seconds[i], results[i], started[i][1], data, kind, args) for i, (kind, _) in enumerate(configs)]
 
 
@@ -149,7 +154,8 @@ def _stop(worker, gpu: bool) -> None:
 def _row(seconds: list[float], result, load_s: float, data: list, kind: str, args) -> dict:
     median = statistics.median(seconds)
     tokens = sum(len(d.tokens) for d in data)
-    row = {"tokens_per_s": tokens / median, "step_s": median, "steps_s": seconds, "load_s": load_s,
+    row = {"tokens_per_s": tokens / median, "step_s": median, "mean_step_s": statistics.fmean(seconds),
+           "steps_s": seconds, "load_s": load_s,
            "loss": result.metrics.get("loss"), "grad_norm": result.metrics.get("grad_norm")}
     if args.device == "cuda":
         row["peak_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if kind == "worker"
@@ -209,14 +215,19 @@ def _data(rows: int, tokens: int) -> list:
 
 def _markdown(header: dict, rows: list[dict]) -> str:
     lines = [f"{header['device']}, torch {header['torch']}, {header['date']}", "",
-             "| shape | what | ranks | tokens/s | step s | vs one Worker | peak GiB |", "|---|---|---:|---:|---:|---:|---:|"]
+             "| shape | what | ranks | tokens/s | median step s | vs one Worker | mean step s | vs one Worker (means) | peak GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = {r["shape"]: r.get("tokens_per_s") for r in rows if r["what"] == "worker"}
+    base_mean = {r["shape"]: r.get("mean_step_s") for r in rows if r["what"] == "worker"}
     for r in rows:
         speed = r.get("tokens_per_s")
         ratio = f"{speed / base[r['shape']]:.3f}" if speed and base.get(r["shape"]) else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
+        mean, mean_base = r.get("mean_step_s"), base_mean.get(r["shape"])
+        mean_ratio = f"{mean_base / mean:.3f}" if mean and mean_base else "-"
         lines.append(f"| {r['shape']} | {r['what']} | {r['world_size']} | "
-                     f"{f'{speed:,.0f}' if speed else r.get('error', '-')} | {r.get('step_s', 0):.2f} | {ratio} | {peak} |")
+                     f"{f'{speed:,.0f}' if speed else r.get('error', '-')} | {r.get('step_s', 0):.3f} | {ratio} | "
+                     f"{mean or 0:.3f} | {mean_ratio} | {peak} |")
     return "\n".join(lines)
 
 

@@ -35,6 +35,10 @@ MEASURED = [
     ("1.7B", "sampling", 64, 192, None, 8.9),
     ("8B", "update", 16, 192, 128, 44.6),  # the activation budget large: no recompute
     ("8B", "sampling", 64, 192, None, 17.7),
+    # bench/sharded_update.py's update on one H200 (bench/results/sharded-update-gpu-h200-2026-11-27-a.jsonl):
+    # the Worker's peak; one rank of the sharded path measured the same.
+    ("1.7B", "update", 64, 192, 128, 16.7),
+    ("8B", "update", 16, 192, 128, 42.9),
 ]
 
 
