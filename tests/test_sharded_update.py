@@ -4,7 +4,8 @@
 - one sharded forward_backward + optim_step gives the single-process Worker's LoRA weights, optimizer moments,
   metrics and log-probs, to float tolerance (an odd number of micro-batches: a rank makes an idle pass; long
   rows recompute their layers in backward);
-- a state saved by 2 ranks loads on 1 and training goes on as if never sharded, and the other way round;
+- a state saved by 2 ranks loads on 1 and training goes on as if never sharded, and the other way round; 3 ranks
+  (uneven cuts, one rank with an empty shard of every LoRA A) step as one process and hand their state to 2;
 - a rank that dies mid-step fails the call at once, naming the rank, and the policy stays at its last saved
   (committed) version; the ranks restart on the next call and train on from there.
 """
@@ -144,6 +145,29 @@ def test_saved_on_two_ranks_loads_on_one_and_the_other_way_round(tiny_model, sha
         assert_same_state(moved.save_state(SaveStateRequest("p")), reference["two"])
     finally:
         moved.close()
+
+
+def test_three_ranks_with_an_empty_shard_train_as_one_process_and_hand_their_state_to_two(tiny_model, reference):
+    """Uneven cuts: a LoRA rank of 4 over 3 ranks is cut 2, 2, 0 (FSDP2's torch.chunk), so rank 2 holds no rows
+    of any LoRA A matrix, and the tiny model's 64-wide layers split 22, 22, 20. The step and a state saved there
+    and continued on 2 ranks equal the single process's."""
+    three = ShardedWorker(tiny_model, world_size=3, device="cpu", micro_batch_size=2, grace_s=5.0)
+    try:
+        three.create_policy(CreatePolicyRequest("p", LORA))
+        result = three.update(UpdateRequest("p", batch(0), LossConfig(), ADAM))
+        for key, value in reference["first"].metrics.items():
+            assert result.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        state = three.save_state(SaveStateRequest("p"))
+    finally:
+        three.close()
+    assert_same_state(state, reference["one"])
+    two = ShardedWorker(tiny_model, world_size=2, device="cpu", micro_batch_size=2)
+    try:
+        two.load_state(LoadStateRequest(state))
+        two.update(UpdateRequest("p", batch(1), LossConfig(), ADAM))
+        assert_same_state(two.save_state(SaveStateRequest("p")), reference["two"])
+    finally:
+        two.close()
 
 
 def refuse_fsdp_on_one_rank(worker) -> None:
