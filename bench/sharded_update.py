@@ -4,6 +4,8 @@
     PYTHONPATH=$PWD .venv/bin/python bench/sharded_update.py --out bench/results/sharded-update-cpu.jsonl
     # GPU: the sharded code path at world size 1 against the unsharded Worker, in the same run (target: <= 5%)
     python bench/sharded_update.py --device cuda --shape 1.7B,8B --world-size 1 --out sharded-gpu.jsonl
+    # ... with both loaded at once and their steps alternated (fits an H200): the figure in BENCHMARKS.md
+    python bench/sharded_update.py --device cuda --shape 1.7B,8B --world-size 1 --steps 12 --interleave
 
 Each shape is built with random weights (speed does not depend on their values): on the CPU a small Llama
 (`--shape cpu`: hidden 256, 4 layers, vocab 49152), on a GPU the shapes of bench/gpu_shapes.py. For each
