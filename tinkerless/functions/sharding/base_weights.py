@@ -279,8 +279,3 @@ def _rows_held(param: Any) -> tuple[Any, torch.Tensor, tuple[int, int]]:
     if local.shape[0] != stop - start:
         raise RuntimeError(f"FSDP2 kept {local.shape[0]} rows of {tuple(param.shape)} on this rank, not {stop - start}")
     return param, local, (start, stop)
-
-
-def is_placeholder(param: torch.Tensor) -> bool:
-    """A parameter not yet filled: one element of memory for a tensor of more."""
-    return param.numel() > 1 and param.untyped_storage().nbytes() <= param.element_size()
