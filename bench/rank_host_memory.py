@@ -18,6 +18,7 @@ are measured; a markdown table ends the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -27,11 +28,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sharded_update import _data  # noqa: E402  (the same update batch)
+from sharded_update import _data, _write  # noqa: E402  (the same update batch, the same rows out)
 
 SHAPE = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
          "intermediate_size": 5632, "vocab_size": 49152}
@@ -69,43 +71,47 @@ def _measure(model_dir: str, world: int, dtype: str, *, whole: bool) -> dict:
 
     os.environ["TINKERLESS_WHOLE_BASE_ON_RANKS"] = "1" if whole else "0"  # the spawned ranks inherit it
     began = time.perf_counter()
-    loading: dict[int, int] = {}
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(loading, stop), daemon=True)
-    watcher.start()  # before the ranks start: loading the whole model happens while they start
-    group = ShardedWorker(model_dir, world_size=world, device="cpu", dtype=dtype, threads=2)
-    ranks = [p.pid for p in group._procs]
+    group = None
     try:
-        group.create_policy(CreatePolicyRequest("bench", LoraConfig(rank=16)))
+        with _watching() as loading:  # from before the ranks start: loading the whole model happens as they start
+            group = ShardedWorker(model_dir, world_size=world, device="cpu", dtype=dtype, threads=2)
+            group.create_policy(CreatePolicyRequest("bench", LoraConfig(rank=16)))
         ready_s = time.perf_counter() - began
-        stop.set()
-        watcher.join()
+        ranks = [p.pid for p in group._procs]
         ready = [_status_kib(pid, "RssAnon") for pid in ranks]
-        stepping: dict[int, int] = {}
-        stop = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(stepping, stop), daemon=True)
-        watcher.start()
-        result = group.update(UpdateRequest("bench", _data(2, 16), LossConfig(), AdamParams(learning_rate=1e-5)))
-        stop.set()
-        watcher.join()
+        with _watching() as stepping:
+            result = group.update(UpdateRequest("bench", _data(2, 16), LossConfig(), AdamParams(learning_rate=1e-5)))
     finally:
-        stop.set()
-        group.close()
+        if group is not None:
+            group.close()
         os.environ.pop("TINKERLESS_WHOLE_BASE_ON_RANKS", None)
     gib = 2**20  # KiB in a GiB
     return {"load_peak_gib": [loading[pid] / gib for pid in ranks], "ready_gib": [r / gib for r in ready],
             "update_peak_gib": [stepping[pid] / gib for pid in ranks], "ready_s": ready_s, "loss": result.metrics.get("loss")}
 
 
-def _watch(peaks: dict[int, int], stop: threading.Event) -> None:
-    """Each child process's peak RssAnon, in KiB, by pid."""
-    while not stop.is_set():
-        for pid in _children():
-            try:
-                peaks[pid] = max(peaks.get(pid, 0), _status_kib(pid, "RssAnon"))
-            except (OSError, KeyError):
-                pass
-        stop.wait(0.02)
+@contextlib.contextmanager
+def _watching() -> Iterator[dict[int, int]]:
+    """Each child process's peak RssAnon in KiB, by pid, while the block runs (read every 20 ms)."""
+    peaks: dict[int, int] = {}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for pid in _children():
+                try:
+                    peaks[pid] = max(peaks.get(pid, 0), _status_kib(pid, "RssAnon"))
+                except (OSError, KeyError):
+                    pass
+            stop.wait(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield peaks
+    finally:
+        stop.set()
+        watcher.join()
 
 
 def _children() -> list[int]:
@@ -152,11 +158,6 @@ def _markdown(header: dict, rows: list[dict]) -> str:
                      f"{each['load_peak_gib']} | {each['ready_gib']} | {each['update_peak_gib']} | {r['ready_s']:.1f} "
                      f"| {r['loss']:.6f} |")
     return "\n".join(lines)
-
-
-def _write(out: Path, row: dict) -> None:
-    with out.open("a") as f:
-        f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
