@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 tinker = pytest.importorskip("tinker")
+from test_tinker_api import sequence_datum  # noqa: E402  (a cookbook-style SFT datum)
 from tinker import types  # noqa: E402
 
 from tinkerless.functions.sharding.split import SplitWorker  # noqa: E402
@@ -20,17 +21,10 @@ from tinkerless.server import create_app, serve_in_thread  # noqa: E402
 os.environ["TINKER_TELEMETRY"] = "0"
 ADAM = types.AdamParams(learning_rate=1e-2)
 PROBE = [5, 9, 14, 20, 27, 35, 44]
-
-
-def sft_datum(tokens: list[int], weights: list[float]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})  # fmt: skip
-
-
 BATCH = [
-    sft_datum([3, 4, 5, 6, 7, 8], [0, 0, 1, 1, 1]),
-    sft_datum([10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]),
-    sft_datum([30, 31, 32], [1, 1]),
+    sequence_datum([3, 4, 5, 6, 7, 8], [0, 0, 1, 1, 1]),
+    sequence_datum([10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]),
+    sequence_datum([30, 31, 32], [1, 1]),
 ]
 
 
@@ -52,7 +46,7 @@ def servers(tiny_model, tmp_path_factory):
 
 
 def logprobs(training) -> np.ndarray:
-    datum = sft_datum(PROBE, [1.0] * (len(PROBE) - 1))
+    datum = sequence_datum(PROBE, [1.0] * (len(PROBE) - 1))
     return training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
 
 
