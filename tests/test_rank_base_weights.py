@@ -7,7 +7,8 @@
   policy's LoRA weights were seeded as on one process, and the base model's log-probs before any policy equal
   one process's;
 - a checkpoint that cannot be read in shards (.bin weights, a name the model does not have, modules transformers
-  keeps in fp32 in a bf16 run) loads whole, and the ranks give the same log-probs;
+  keeps in fp32 in a bf16 run, an index that is not a map of keys to files of its directory) loads whole, and the
+  ranks give the same log-probs; a model.safetensors beside an index is read, as from_pretrained reads it;
 - across eleven architectures, each is either read exactly as `from_pretrained` reads it (every dense one) or
   loads whole (fused MoE experts, a renamed head), in fp32 and bf16.
 """
@@ -171,8 +172,34 @@ def test_a_checkpoint_that_cannot_be_read_in_shards_loads_whole(tmp_path, tiny_m
     save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
     assert base_weights.placeholder_model(str(renamed), torch.float32) is None
 
+    # An index that is not a map of keys to file names of this directory (and no model.safetensors beside it).
+    indexed = Path(save_qwen2(tmp_path / "indexed", tied=True, max_shard_size="20KB"))
+    for index in ("not json", "{}", '{"weight_map": ["a"]}', '{"weight_map": {"a": 5}}',
+                  '{"weight_map": {"a": "/etc/passwd"}}', '{"weight_map": {"a": "../renamed/model.safetensors"}}'):
+        (indexed / "model.safetensors.index.json").write_text(index)
+        assert base_weights.placeholder_model(str(indexed), torch.float32) is None, index
+
     monkeypatch.setenv("TINKERLESS_WHOLE_BASE_ON_RANKS", "1")
     assert base_weights.placeholder_model(tiny_model, torch.float32) is None
+
+
+def test_a_single_file_wins_over_an_index_beside_it_as_in_from_pretrained(tmp_path, untied_in_files):
+    """from_pretrained reads model.safetensors where it exists and ignores an index beside it (a stale one here,
+    naming the files of another save): so does each rank."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(save_qwen2(tmp_path / "single", tied=False))  # the same values as untied_in_files ...
+    weights = {key: value + 1 for key, value in load_file(path / "model.safetensors").items()}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})  # ... until moved here
+    for name in Path(untied_in_files).iterdir():  # the other save's index and files, with the old values
+        if name.name.startswith("model-") or name.name == "model.safetensors.index.json":
+            shutil.copy(name, path / name.name)
+    model, _, checkpoint = base_weights.placeholder_model(str(path), torch.float32)
+    assert sorted(set(checkpoint.file_of.values())) == ["model.safetensors"]
+    base_weights.fill(model, checkpoint)
+    assert_same_model(model, load_model(str(path))[0])
 
 
 def test_a_saved_non_persistent_buffer_is_ignored_as_from_pretrained_ignores_it(tmp_path):

@@ -13,9 +13,9 @@ until it is sharded: N copies for N ranks, 8 x 140 GB for a 70B model. Instead e
    reads row ranges from the memory-mapped file, so no rank reads a whole tensor, and casts only those rows.
 
 A checkpoint that does not match the model one name and shape for one parameter (a .bin checkpoint, names that
-transformers renames or fuses while loading, a quantized model) gives None from `placeholder_model`, and the rank
-loads the model whole as before. TINKERLESS_WHOLE_BASE_ON_RANKS=1 forces that (a comparison, or a way round a
-checkpoint this reads wrongly).
+transformers renames or fuses while loading, a quantized model, an index that is not a map of keys to files of
+the directory) gives None from `placeholder_model`, and the rank loads the model whole as before.
+TINKERLESS_WHOLE_BASE_ON_RANKS=1 forces that (a comparison, or a way round a checkpoint this reads wrongly).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Checkpoint:
         from safetensors import safe_open
 
         files = _weight_files(directory)
-        if not all((directory / name).is_file() for name in files):
+        if files is None or not all((directory / name).is_file() for name in files):
             return None
         found = cls(directory)
         for name in files:
@@ -73,12 +73,22 @@ class Checkpoint:
                    for name in sorted(set(self.file_of.values()))}
 
 
-def _weight_files(directory: Path) -> list[str]:
-    """The safetensors files of a checkpoint directory: those its index names, else the one `model.safetensors`."""
+def _weight_files(directory: Path) -> list[str] | None:
+    """The safetensors files of a checkpoint directory, picked as `from_pretrained` picks them: `model.safetensors`
+    where it exists (an index beside it is not read), else the files its index names. None where neither is
+    there, or the index is not a map of keys to plain file names in this directory."""
+    if (directory / "model.safetensors").is_file():
+        return ["model.safetensors"]
     index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    return ["model.safetensors"]
+    if not index.is_file():
+        return None
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, no weight_map, not a map
+        return None
+    if not all(isinstance(name, str) and name and Path(name).name == name for name in names):
+        return None  # a path, not a file of this directory: the whole load reports it
+    return sorted(names)
 
 
 def whole_model_forced() -> bool:
@@ -132,10 +142,13 @@ def _local_directory(spec: str) -> Path | None:
     from huggingface_hub import snapshot_download
 
     try:
-        directory = Path(snapshot_download(source, allow_patterns=list(_HUB_FILES)))
-        # Then the weights the index names, as from_pretrained takes them: not every .safetensors file (some
-        # repositories also carry the original, consolidated weights, a second copy).
-        return Path(snapshot_download(source, allow_patterns=_weight_files(directory)))
+        # A single weights file comes with the configs; an index's files after it, only those it names: not every
+        # .safetensors file (some repositories also carry the original, consolidated weights, a second copy).
+        directory = Path(snapshot_download(source, allow_patterns=[*_HUB_FILES, "model.safetensors"]))
+        files = _weight_files(directory)
+        if files is None:
+            return _whole(spec, "no safetensors weights, or an index that names none")
+        return Path(snapshot_download(source, allow_patterns=files))
     except Exception as exc:  # noqa: BLE001 - offline, no such repository, no access: from_pretrained says which
         return _whole(spec, f"no local copy of its files ({type(exc).__name__})")
 
