@@ -116,6 +116,19 @@ class RankFailed(TinkerlessError):
     on the next call with every policy at its last saved version (`functions/sharding`)."""
 
 
+class InfrastructureFailure(TinkerlessError):
+    """An episode could not be played for a reason outside the policy's control: a sandbox or hosted-agent
+    process that died, an env server or judge that is unreachable or timed out, a worker restart.
+
+    Such an episode is never a reward: it is retried, then dropped from its group and counted
+    (`episodes_infra_failed`), with `cause` recorded in episodes.jsonl. Raise it (or a subclass) from code
+    that talks to such a service; errors of the user's own env or reward stay EnvError / RewardError."""
+
+    def __init__(self, message: str, *, cause: str, hint: str | None = None):
+        self.cause = cause  # a short machine-readable tag: "judge_timeout", "env_server_unreachable", ...
+        super().__init__(message, hint=hint)
+
+
 class RemoteError(TinkerlessError):
     """An error reported by a remote function, re-raised on the client."""
 
