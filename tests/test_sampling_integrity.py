@@ -246,13 +246,19 @@ def test_non_finite_logits_are_refused_greedy_or_sampled():
     import torch
 
     from tinkerless.errors import UserError
+    from tinkerless.functions.sampling.device_sampling import DrawSettings, row_keys
     from tinkerless.functions.sampling.engine import draw_rows
+    from tinkerless.wire.messages import SamplingParams
 
+    def settings(temperature):
+        return DrawSettings.of(row_keys([0, 1]), [SamplingParams(temperature=temperature)] * 2, "cpu")
+
+    positions = torch.zeros(2, dtype=torch.long)
     for bad in (float("nan"), float("inf")):
         logits = torch.zeros(2, 5)
         logits[1, 3] = bad
         for temperature in (0.0, 1.0):
             with pytest.raises(UserError, match="not finite"):
-                draw_rows(logits, temperature, [torch.Generator().manual_seed(i) for i in range(2)])
-    picks, logprobs = draw_rows(torch.zeros(2, 5), 1.0, [torch.Generator().manual_seed(i) for i in range(2)])
+                draw_rows(logits, settings(temperature), positions)
+    picks, logprobs = draw_rows(torch.zeros(2, 5), settings(1.0), positions)
     assert torch.isfinite(logprobs).all() and ((0 <= picks) & (picks < 5)).all()

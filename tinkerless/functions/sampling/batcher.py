@@ -23,9 +23,9 @@ Each call (a Tinker `sample`, `/v1/call/sample`, a rollout's turn) registers its
   step it pauses (`yield_slice`) when a not-yet-started call is queued (`join_due`: so that call
   can start and join) or when its time slice is up. A call whose rows another call finished
   returns at its next turn.
-* **Reproducible.** Rows draw from their own generators seeded by (seed, row index), so a
-  request gives the same tokens alone or batched with any others (up to floating-point
-  differences of batched matrix products).
+* **Reproducible.** A row's draws hash its seed (from the request's seed and row index) and its
+  token position only (`device_sampling`), so a request gives the same tokens alone or batched
+  with any others (up to floating-point differences of batched matrix products).
 
 Outside a server several threads may call `generate` at once (a local thread pool): a lock
 makes each step atomic, so they batch too.
@@ -186,7 +186,7 @@ class Batcher:
         a kept session starts from its cached keys/values), then draw each row's first token."""
         rows = [(m, row) for m in members for row in m.job.prefill_rows()]
         # Rows with the same prompt and policy and nothing cached (a group's samples of one task) are prefilled
-        # once; each copy then decodes on its own, with its own generator.
+        # once; each copy then decodes on its own, with its own seed.
         unique: list[tuple[_Member, _Row]] = []
         source: list[int] = []  # for each row, the unique row that computes its prefill
         seen: dict[object, int] = {}

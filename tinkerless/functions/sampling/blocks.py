@@ -8,8 +8,8 @@ tensors in order around them:
   left-padded to the longer cache (`_Block.extend`); the per-length-group prefills become one block
   (`_assemble`), and rows that shared one prefill get their own copies (`_replicate`). Padding is
   masked (zeros, so finite), so it counts for no row.
-* **The draw across members.** Every row's next token is drawn in as few draws as the members'
-  settings allow (`_draw_block`), each row still from its own generator; the top log-probs are
+* **The draw across members.** Every row's next token is drawn in one draw over the block, with
+  per-row settings and each row's own counter-based uniform (`_draw_block`); the top log-probs are
   computed once for the block (`_top_block`).
 """
 
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from tinkerless.functions.sampling.device_sampling import DrawSettings, draw_rows
 from tinkerless.functions.sampling.graphed_decode import PooledCache
 from tinkerless.functions.sampling.kv_cache import growing_cache, stack_left_padded
 
@@ -66,28 +67,18 @@ class _Block:
 
 
 def _draw_block(members: list[_Member], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Each row's token and its log-prob, in row order. Members that draw alike (`GenerationJob.draw_key`: the
-    same temperature and no top-k/top-p, or greedy) are drawn together, in one softmax/cumsum/searchsorted over
-    all their rows rather than one per member: every row still takes its uniform from its own generator, so it
-    draws exactly what it would alone. Rows go to Python lists once per block."""
-    groups: dict[object, list[int]] = {}  # draw key -> indices of its members
-    for i, member in enumerate(members):
-        key = member.job.draw_key
-        groups.setdefault(key if key is not None else ("alone", i), []).append(i)
-    if len(groups) == 1:  # the usual case: one draw over the whole block
-        picks, picked = members[0].job.draw(logits, [g for m in members for g in m.job.generators()])
-        return picks.tolist(), picked.tolist()
-    starts = [0]
-    for member in members:
-        starts.append(starts[-1] + member.job.active_rows)
-    picks = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    picked = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
-    for indices in groups.values():
-        rows = torch.tensor([r for i in indices for r in range(starts[i], starts[i + 1])], device=logits.device)
-        group_picks, group_picked = members[indices[0]].job.draw(
-            logits.index_select(0, rows), [g for i in indices for g in members[i].job.generators()])
-        picks[rows], picked[rows] = group_picks, group_picked
+    """Each row's token and its log-prob, in row order: one draw over the whole block, whatever the members'
+    settings (they are per-row tensors: `device_sampling.DrawSettings`), each row with the uniform of its own
+    (key, position), so it draws exactly what it would alone. Rows go to Python lists once per block."""
+    picks, picked = draw_rows(logits, block_settings(members, logits.device),
+                              torch.tensor([p for m in members for p in m.job.positions()], device=logits.device))
     return picks.tolist(), picked.tolist()
+
+
+def block_settings(members: list[_Member], device: torch.device) -> DrawSettings:
+    """The draw settings of the members' active rows, in row order."""
+    return DrawSettings.of([k for m in members for k in m.job.keys()],
+                           [m.job.sampling for m in members for _ in range(m.job.active_rows)], device)
 
 
 def _top_block(members: list[_Member], logits: torch.Tensor) -> list[list[tuple[int, float]]] | None:

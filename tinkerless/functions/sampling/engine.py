@@ -12,16 +12,17 @@ The transformers engine decodes with its own loop over a `GenerationJob` rather 
   (its KV cache rows are dropped); nothing is padded after it, and stop tokens are exactly
   the ones asked for: `stop_token_ids=[]` means no token ends a sample early, not even EOS
   (`generate` falls back to the model's EOS when given none).
-* **Resumable.** A job keeps its KV cache and per-row random generators between steps, so a
+* **Resumable.** A job keeps its KV cache and its rows' tokens between steps, so a
   server can pause it between slices and run other tenants' calls (`slicing`), and the
   continuous batcher (`batcher`) decodes the rows of every concurrent call's jobs in one batch.
 * **Conversations keep their KV cache across turns.** A call may pass one `KVSession` per prompt
   (the agent loops do, one per episode or role): a row that finishes leaves its keys/values
   there, and the conversation's next turn prefills only the tokens appended since (`kv_cache`).
-* **Reproducible.** Row i of a request draws from its own generator seeded by (seed, i): the
-  same seed gives the same tokens whether the job is paused or not, whatever runs in between,
-  and however the request is split into batches (up to floating-point differences of
-  batched matrix products).
+* **Reproducible.** Row i of a request draws its token at position t with a uniform that is a hash of
+  (its seed `row_seed(seed, i)`, t) only (`device_sampling`): the same seed gives the same tokens whether
+  the job is paused or not, whatever runs in between, however the request is split into batches, and
+  however many steps run between host reads (`device_decode`), up to floating-point differences of
+  batched matrix products.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from tinkerless.errors import UserError
 from tinkerless.functions.sampling.batcher import BASE_ADAPTER, Batcher
+from tinkerless.functions.sampling.device_sampling import DrawSettings, draw_rows, row_keys
 from tinkerless.functions.sampling.graphed_decode import graphed_decoder
 from tinkerless.functions.sampling.kv_cache import DEFAULT_MAX_SESSION_BYTES, Continuation, KVSession, KVSessionStore
 from tinkerless.functions.sampling.token_stream import TokenEvent, TokenStream
-from tinkerless.wire.messages import GREEDY_BELOW, SamplingParams
+from tinkerless.wire.messages import SamplingParams
 
 # Rows x (prompt + max_tokens) positions one batch may hold in its KV cache (~3 GB for SmolLM2-135M in fp32).
 DEFAULT_MAX_BATCH_POSITIONS = 65536
@@ -78,51 +79,9 @@ def row_seed(seed: int, index: int) -> int:
     return (seed * 6364136223846793005 + (index + 1) * 1442695040888963407) % (1 << 63)
 
 
-def draw_rows(
-    logits: torch.Tensor, temperature: float, generators: list[torch.Generator], warpers: list = (),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of `logits` and its log-prob (of the untempered distribution: what training
-    recomputes). Greedy under GREEDY_BELOW; else by inverse CDF of the tempered (and warped) softmax, with
-    one uniform draw from row i's own generator `generators[i]`: a row draws the same token whichever rows
-    are drawn with it (a vectorized pick: per-row `torch.multinomial` calls cost more than the tiny model's
-    forward)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    if temperature < GREEDY_BELOW:
-        picks = logits.argmax(dim=-1)
-        picked = logprobs.gather(1, picks[:, None]).squeeze(1)
-        _check_finite(picked)  # argmax picks something even from NaN logits
-        return picks, picked
-    scores = logits / temperature
-    for warper in warpers:
-        scores = warper(None, scores)
-    probs = torch.softmax(scores, dim=-1)
-    # The rows' generators live on the CPU whatever the device: a GPU draws the same uniforms as a CPU for a seed,
-    # and one copy to the device replaces a kernel launch per row.
-    uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device, non_blocking=True)
-    cdf = probs.cumsum(dim=-1)
-    _check_finite(cdf[:, -1])  # one check a step: finite mass means finite logits, hence finite log-probs
-    # right=True: the first token whose cumulative mass exceeds u, so a zero-probability token
-    # (filtered by top_k / top_p) is never picked; u < total mass, clamped against rounding.
-    targets = torch.minimum(uniforms * cdf[:, -1], cdf[:, -1] * (1 - 1e-6))
-    picks = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
-    return picks, logprobs.gather(1, picks[:, None]).squeeze(1)
-
-
-def _check_finite(values: torch.Tensor) -> None:
-    """Refuse to sample from NaN or infinite logits (a diverged adapter): they draw out-of-range or arbitrary
-    tokens with NaN log-probs, which must never be recorded as the policy's samples. (The engine reads every
-    step's picks on the host anyway, so this costs no extra device sync worth counting.)"""
-    if not bool(torch.isfinite(values).all()):
-        raise UserError(
-            "the model's output is not finite (NaN or inf) for this policy: its weights have diverged",
-            hint="load an earlier checkpoint or reset the policy, then train with a lower learning rate "
-            "or grad_clip_norm",
-        )
-
-
 @dataclass
 class _Row:
-    generator: torch.Generator
+    key: tuple[int, int]  # `device_sampling.row_keys` of the row's seed: its draws hash (key, token position)
     prompt: list[int]
     start: Continuation | None = None  # cached keys/values of the prompt's first tokens, until the prefill takes them
     cached: int = 0  # how many prompt tokens `start` covered
@@ -139,10 +98,10 @@ class _Row:
 
 
 class GenerationJob:
-    """A batch of sequences to decode: per-row prompts (and cached starts), generators, what each row has drawn.
+    """A batch of sequences to decode: per-row prompts (and cached starts), draw keys, what each row has drawn.
 
     A `Batcher` prefills and decodes its rows, alone or with other jobs' rows: one `draw` over the rows of
-    the jobs that draw alike (`draw_key`), then `record` per job. `advance(model)` runs one step of the job
+    the block (`blocks._draw_block`), then `record` per job. `advance(model)` runs one step of the job
     alone (the prefill first) with whatever adapter the caller activated; between steps the job holds no
     reference to the model.
     """
@@ -175,10 +134,10 @@ class GenerationJob:
         self.top_logprobs = top_logprobs  # k: record the k most likely tokens at each position (0: none)
         if row_seeds is not None and len(row_seeds) != len(prompts):
             raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts")
+        keys = row_keys([row_seeds[i] if row_seeds is not None else row_seed(seed, first_index + i)
+                         for i in range(len(prompts))]).tolist()
         self.rows = [
-            _Row(torch.Generator().manual_seed(
-                     row_seeds[i] if row_seeds is not None else row_seed(seed, first_index + i)), list(prompt),
-                 session=sessions[i] if sessions is not None and store is not None else None)
+            _Row(tuple(keys[i]), list(prompt), session=sessions[i] if sessions is not None and store is not None else None)
             for i, prompt in enumerate(prompts)
         ]
         self.prompt_width = max((len(p) for p in prompts), default=0)  # KV positions of the longest prompt
@@ -186,13 +145,6 @@ class GenerationJob:
         self._finished: list[int] = []  # the rows active at the last draw
         self.error: Exception | None = None
         self._solo = None  # the private batcher of `advance`
-        self.greedy = sampling.temperature < GREEDY_BELOW  # 0, or so near it that dividing by it overflows
-        self._warpers = []
-        if not self.greedy:
-            if sampling.top_k and sampling.top_k > 0:
-                self._warpers.append(TopKLogitsWarper(sampling.top_k))
-            if sampling.top_p < 1.0:
-                self._warpers.append(TopPLogitsWarper(sampling.top_p))
         if sampling.max_tokens <= 0:
             for row in self.rows:
                 row.stop_reason = "length"
@@ -234,25 +186,19 @@ class GenerationJob:
             return
         self.store.keep(row.session, row.prompt + row.tokens[:-1], layers(), self.weights)
 
-    def draw(
-        self, logits: torch.Tensor, generators: list[torch.Generator] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next tokens and their log-probs, drawn from `logits` by this job's sampling: by default for its
-        active rows; a `Batcher` passes the generators of several jobs' rows that draw alike (`draw_key`)."""
-        return draw_rows(logits, self.sampling.temperature, self.generators() if generators is None else generators,
-                         self._warpers)
+    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next tokens of this job's active rows and their log-probs, drawn from `logits` by its sampling
+        (a `Batcher` draws several jobs' rows at once: `blocks._draw_block`, with the same result per row)."""
+        return draw_rows(logits, DrawSettings.of(self.keys(), [self.sampling] * self.active_rows, logits.device),
+                         torch.tensor(self.positions(), device=logits.device))
 
-    @property
-    def draw_key(self) -> object:
-        """Jobs with equal keys draw alike, so their rows can be drawn together in one `draw_rows`:
-        greedy jobs, or the temperature of jobs without top-k/top-p; None: this job draws alone."""
-        if self.greedy:
-            return "greedy"
-        return None if self._warpers else float(self.sampling.temperature)
+    def keys(self) -> list[tuple[int, int]]:
+        """The active rows' hash keys, in batch order."""
+        return [self.rows[r].key for r in self._active]
 
-    def generators(self) -> list[torch.Generator]:
-        """The active rows' generators, in batch order."""
-        return [self.rows[r].generator for r in self._active]
+    def positions(self) -> list[int]:
+        """The token position each active row draws next (the count it has drawn), in batch order."""
+        return [len(self.rows[r].tokens) for r in self._active]
 
     def record(
         self, picks: list[int], picked_logprobs: list[float], tops: list[list[tuple[int, float]]] | None = None,

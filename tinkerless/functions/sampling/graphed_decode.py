@@ -11,7 +11,7 @@ move to new storage (an optimizer step writes in place, so the graph sees it; a 
 tensors, or a deleted and re-made adapter, is caught before the replay and recaptured).
 
 What does not change: the block's rows, mask, positions and draws are the batcher's as before, so every
-row draws the same tokens from its own generator. The pool keeps each row in a slot:
+row draws the same tokens from its own seed. The pool keeps each row in a slot:
 
 * **Rows that stop** leave their slot empty (nothing is copied); when the live rows fit a smaller bucket,
   they are moved to the front once, so later steps replay the smaller graph.
