@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tinkerless.functions.sampling.blocks import _assemble, _Block, _draw_block, _Member, _replicate, _top_block
+from tinkerless.functions.sampling.device_decode import default_steps, run_chunk
 from tinkerless.functions.sampling.graphed_decode import PooledCache
 from tinkerless.functions.sampling.kv_cache import KVSession, growing_cache, length_buckets, row_layers, stack_left_padded
 from tinkerless.functions.sampling.slicing import join_due, slice_due, yield_slice
@@ -66,6 +67,8 @@ class Batcher:
         # False: a generation does not pause for queued calls to join it (they wait for it to end or for
         # a time slice), so calls decode one after another: the "before" of bench/batching.py.
         self.join_queued_calls = True
+        # Decode steps per host read (`device_decode`): 1 is the one-step loop (the CPU's default).
+        self.decode_steps = default_steps(engine.device)
         # Statistics for tests and benchmarks.
         self.steps = 0  # forwards run, prefills included
         self.widest = 0  # the most rows one forward has decoded together
@@ -74,6 +77,7 @@ class Batcher:
         self.padding_tokens = 0  # padding positions computed by prefills (left-padding within a length group)
         self.cached_tokens = 0  # prompt tokens not prefilled: their keys/values came from a kept session
         self.decoded_tokens = 0  # tokens fed by decode steps
+        self.chunks = 0  # runs of several decode steps read back at once (`device_decode`)
 
     @property
     def rows(self) -> int:
@@ -249,8 +253,17 @@ class Batcher:
         return block, out.logits[:, -1, :].float()
 
     def _forward(self, block: _Block) -> _Block | None:
-        """One decode step over the running block, one token drawn per row; finished rows leave. None when no row is left."""
-        policies = [m.policy for m in block.members for _ in range(m.job.active_rows)]
+        """One decode step over the running block, one token drawn per row (or `decode_steps` of them with one
+        host read: `device_decode`); finished rows leave. None when no row is left."""
+        if self.decode_steps > 1:
+            return run_chunk(self, block, self.decode_steps, self._logits)
+        logits = self._logits(block, [m.policy for m in block.members for _ in range(m.job.active_rows)])
+        self.decoded_tokens += block.input.shape[0]
+        self.most_jobs = max(self.most_jobs, len(block.members))
+        return self._draw(block, logits)
+
+    def _logits(self, block: _Block, policies: list[str | None]) -> torch.Tensor:
+        """One forward of the block's next step, replayed from a graph where possible: its last-position logits."""
         logits = self._replayed(block, policies)
         if logits is None:
             if isinstance(block.cache, PooledCache):
@@ -259,9 +272,7 @@ class Batcher:
                                   position_ids=block.positions, past_key_values=block.cache)
             block.cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
-        self.decoded_tokens += block.input.shape[0]
-        self.most_jobs = max(self.most_jobs, len(block.members))
-        return self._draw(block, logits)
+        return logits
 
     def _replayed(self, block: _Block, policies: list[str | None]) -> torch.Tensor | None:
         """The step's logits from the engine's graphed decoder (`graphed_decode`), or None where it has none or
