@@ -86,5 +86,7 @@ def row_logprobs(split: tuple, input_ids: torch.Tensor, mask: torch.Tensor, *, w
     decoder, head = split
     rows, columns = trained_pairs(mask)
     hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
-    picked, entropy = target_logprobs(head(hidden[rows, columns - 1]), input_ids[rows, columns], with_entropy=with_entropy)
+    from tinkerless.functions.training.chunked_logprobs import head_logprobs
+
+    picked, entropy = head_logprobs(hidden[rows, columns - 1], head, input_ids[rows, columns], with_entropy=with_entropy)
     return scattered(picked, rows, columns, input_ids.shape), scattered(entropy, rows, columns, input_ids.shape)

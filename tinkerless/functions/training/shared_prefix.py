@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from tinkerless.functions.training import picked_logits
+from tinkerless.functions.training.chunked_logprobs import head_logprobs
 
 # Below this many shared tokens a group is not worth its own two forwards.
 MIN_SHARED_TOKENS = 8
@@ -191,8 +192,7 @@ def suffix_logprobs(model, micro: SharedMicroBatch, tokens: list[list[int]], fra
         body = decoder(input_ids=frame.tokens[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
                        past_key_values=cache, use_cache=False)
         hidden = torch.cat([hidden, body.last_hidden_state], dim=1)
-    picked, entropy = picked_logits.target_logprobs(head(hidden[rows, columns]), frame.tokens[rows, columns],
-                                                    with_entropy=with_entropy)
+    picked, entropy = head_logprobs(hidden[rows, columns], head, frame.tokens[rows, columns], with_entropy=with_entropy)
     shape = frame.tokens.shape
     return picked_logits.scattered(picked, rows, columns, shape), picked_logits.scattered(entropy, rows, columns, shape)
 
