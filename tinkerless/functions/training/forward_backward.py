@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tinkerless.functions.losses import LossConfig, compute_loss
-from tinkerless.functions.training import picked_logits, shared_prefix
+from tinkerless.functions.training import packing, picked_logits, shared_prefix
 from tinkerless.functions.training.micro_batches import model_token_budget, plan_micro_batches, recompute_in_backward
 from tinkerless.wire.messages import Datum
 
@@ -175,7 +175,13 @@ def forward_backward(
         frame = shared_prefix.suffix_frame(shared, [d.tokens for d in data], pad_id, device)
         mask = frame.field([d.mask for d in chunk])
         share = totals.share([masks[i] for i in shared.rows])
-        logprobs, entropy = shared_prefix.suffix_logprobs(model, shared, [d.tokens for d in data], frame, mask, with_entropy=True)
+        packed = packing.enabled() and picked_logits.decoder_and_head(model)
+        if packed:  # the prompt once, then each suffix, unpadded (`packing`)
+            logprobs, entropy = packing.shared_logprobs(packed, shared, [d.tokens for d in data], frame, mask,
+                                                        with_entropy=True)
+        else:
+            logprobs, entropy = shared_prefix.suffix_logprobs(model, shared, [d.tokens for d in data], frame, mask,
+                                                              with_entropy=True)
         totals.add(share, logprobs, entropy, mask, chunk, frame.field)
         for row, index in enumerate(shared.rows):
             all_logprobs[index] = shared_prefix.full_row(logprobs[row], frame.starts[row], lengths[index])
@@ -199,7 +205,9 @@ def forward_backward(
         batch = make_batch(chunk, pad_id, device)
         mask = batch.field([d.mask for d in chunk])
         with recompute_in_backward(model, micro.recompute):
-            if split is not None:  # the head on the trained tokens only (`picked_logits`)
+            if split is not None and packing.enabled():  # the rows end to end, unpadded (`packing`)
+                logprobs, entropy = packing.plain_logprobs(split, batch.input_ids, batch.lengths, mask, with_entropy=True)
+            elif split is not None:  # the head on the trained tokens only (`picked_logits`)
                 logprobs, entropy = picked_logits.row_logprobs(split, batch.input_ids, mask, with_entropy=True)
             else:
                 logprobs, entropy = token_logprobs(model, batch, positions=trained_positions(mask), with_entropy=True)
