@@ -16,7 +16,10 @@ For each shape, in one process and on one device, it measures:
 - transformers `generate` in bf16 with `cache_implementation="static"` on the same batch (the sampling baseline);
 - plain peft bf16: forward, backward and an AdamW step of a LoRA r16 on the same sequences (the update baseline);
 - peak GPU memory of each, and each figure as a fraction of the device's bound when the device is known:
-  sampling: HBM bandwidth / bf16 weight bytes x batch; update: peak bf16 FLOP/s / (4 N) FLOPs a token.
+  sampling: HBM bandwidth / bf16 weight bytes x batch; update: peak bf16 FLOP/s / (4 N) FLOPs a token;
+- on the `--extras` shapes (1.7B), issue #36's figures (bench/gpu_shapes_decode.py): the multi-step device
+  decode against the eager one-step loop in fp32 (128 rows with stops), its speed against the one-step loop at
+  `--batch` and `--large-batch` (first and steady calls), 4 adapters mixed in one batch, and the whole RL step.
 Every measurement is appended to `--out` (JSON lines) as soon as it is taken, so a run cut short keeps what it
 measured; a markdown table is printed at the end, for BENCHMARKS.md.
 """
@@ -30,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import gpu_shapes_decode  # issue #36's measurements, beside this file
 import numpy as np
 import torch
 
@@ -57,6 +61,10 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--skip-baselines", action="store_true")
     parser.add_argument("--exactness", default="135M", help="the shape to check graphs against eager decode on (fp32)")
+    parser.add_argument("--extras", default="1.7B", help="shapes that get issue #36's measurements (gpu_shapes_decode)")
+    parser.add_argument("--decode-steps", type=int, default=8, help="decode steps per host read of the device decode")
+    parser.add_argument("--large-batch", type=int, default=256)
+    parser.add_argument("--exact-rows", type=int, default=128, help="rows of the fp32 device-decode exactness check")
     parser.add_argument("--out", default="gpu_shapes.jsonl")
     args = parser.parse_args()
     out = Path(args.out)
@@ -73,6 +81,8 @@ def main() -> None:
             measures = [tinkerless_figures, *(() if args.skip_baselines else (static_generate, peft_update))]
             if args.exactness and shape == args.exactness:
                 measures.insert(0, exactness)
+            if shape in args.extras.split(","):
+                measures.extend(gpu_shapes_decode.MEASURES)
             if shape == "8B" and args.device.startswith("cuda"):
                 measures.append(capped_rl_step)
             for measure in measures:
@@ -332,7 +342,7 @@ def peft_update(model_dir: str, shape: str, args, update_batch: int) -> list[dic
 
 
 def bound_fractions(row: dict, shape: str, device: str) -> dict:
-    if not device.startswith("cuda") or not row.get("tokens_per_s"):
+    if not device.startswith("cuda") or not row.get("tokens_per_s") or "RL step" in row["what"]:
         return {}
     name = torch.cuda.get_device_name(0)
     bound = next((v for k, v in BOUNDS.items() if k in name), None)

@@ -45,3 +45,33 @@ def test_with_the_pooled_decoder_it_measures_eager_and_graphed_sampling_and_thei
     pooled = measured["tinkerless sampling, pooled decode (no capture)"]
     assert pooled["tokens_per_s"] > 0 and measured["tinkerless sampling, eager decode"]["tokens_per_s"] > 0
     assert pooled["rows_identical"] == 1.0 and pooled["eager_steps"] == 0
+
+
+def test_issue_36s_measurements_run_and_the_device_decode_passes_its_exactness_check(tmp_path):
+    """The rows the next GPU run writes for the device decode (its fp32 exactness against the eager one-step loop
+    on rows that stop, its speed against the one-step loop at two batch sizes with first and steady calls, mixed
+    adapters, the whole RL step) are all there at the tiny shape, through the pooled layout, with no error."""
+    import os
+
+    out = tmp_path / "shapes.jsonl"
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_shapes.py"
+    done = subprocess.run([sys.executable, str(script), "--shapes", "tiny", "--device", "cpu", "--batch", "4",
+                           "--large-batch", "6", "--exact-rows", "9", "--decode-steps", "3", "--prompt-tokens", "5",
+                           "--new-tokens", "7", "--extras", "tiny", "--exactness", "", "--skip-baselines",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TINKERLESS_STATIC_DECODE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = {r["what"]: r for r in map(json.loads, out.read_text().splitlines()[1:])}
+    assert not [r for r in measured.values() if "error" in r], measured
+    for name in ("greedy", "sampled, top-p"):
+        check = measured[f"device decode vs eager one-step, {name}"]
+        assert check["passes"] and check["rows"] == 9 and check["chunks"] > 0, check
+        assert check["lengths"][0] < 7, "rows must stop at their own times"
+    for batch in (4, 6):
+        for label in ("device decode, 3 steps per host read", "one-step loop"):
+            row = measured[f"sampling at batch {batch}, {label}"]
+            assert row["tokens_per_s"] > 0 and row["first_call_tokens_per_s"] > 0
+    mixed = measured["sampling, 4 adapters mixed in one batch"]
+    assert mixed["tokens_per_s"] > 0 and mixed["mixed_over_one"] > 0
+    step = measured["whole RL step, 4 x 7 tokens"]
+    assert step["first_step_s"] > 0 and step["steady_step_s"] > 0 and len(step["logprob_gap"]) == 3
