@@ -120,6 +120,24 @@ def test_rows_joining_mid_generation_and_mixed_adapters_keep_their_alone_tokens(
         for mine, want in zip(got, alone):
             assert_same(mine, want, tolerance=1e-4)
         assert worker.engine.batcher.most_jobs >= 3
+    assert worker.engine.batcher.stacked.builds > 0, "the mixed block must run through the stacked adapters"
+
+
+def test_mixed_blocks_through_peft_or_the_stacked_adapters_draw_the_same_tokens(worker, monkeypatch):
+    requests = [("pa", PROMPTS[:5], 1), ("pb", PROMPTS[5:9], 2), (None, PROMPTS[9:12], 3)]
+
+    def mixed():
+        jobs = [worker.engine.start(p, SETTINGS[0], seed=seed, policy=pol) for pol, p, seed in requests]
+        return drive(worker.engine.batcher, [_Member(j, r[0], j.prompt_width + 30) for j, r in zip(jobs, requests)])
+
+    stacked = worker.engine.batcher.stacked
+    builds = stacked.builds
+    grouped = run(worker, mixed, 4)
+    assert stacked.builds > builds or stacked.key == ("pa", "pb")
+    monkeypatch.setenv("TINKERLESS_GROUPED_LORA", "0")
+    through_peft = run(worker, mixed, 4)
+    for mine, theirs in zip(grouped, through_peft):
+        assert_same(mine, theirs, tolerance=1e-4)
 
 
 def test_multi_turn_sessions_keep_exactly_the_rows_keys_and_values(worker):

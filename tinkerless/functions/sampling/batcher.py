@@ -16,8 +16,9 @@ Each call (a Tinker `sample`, `/v1/call/sample`, a rollout's turn) registers its
   into the session for the conversation's next turn.
 * **Leave when finished.** A row that stops is dropped from the cache at once.
 * **Mixed policies in one forward.** Rows of different LoRA adapters (and of the base model)
-  go through one forward with peft's per-row `adapter_names`; a batch of one policy simply
-  activates it.
+  go through one forward with the adapters' weights stacked and grouped matmuls (`multi_lora`;
+  peft's per-row `adapter_names` where a layer is not a plain LoRA linear); a batch of one
+  policy simply activates it.
 * **Any call drives.** The server runs one model call at a time (`tinkerless.server.scheduler`).
   Whichever generate call holds the model steps every row, its own and the others'; after each
   step it pauses (`yield_slice`) when a not-yet-started call is queued (`join_due`: so that call
@@ -46,6 +47,7 @@ from tinkerless.functions.sampling.blocks import _assemble, _Block, _draw_block,
 from tinkerless.functions.sampling.device_decode import default_steps, run_chunk
 from tinkerless.functions.sampling.graphed_decode import PooledCache
 from tinkerless.functions.sampling.kv_cache import KVSession, growing_cache, length_buckets, row_layers, stack_left_padded
+from tinkerless.functions.sampling.multi_lora import StackedAdapters
 from tinkerless.functions.sampling.slicing import join_due, slice_due, yield_slice
 from tinkerless.wire.messages import SamplingParams
 
@@ -69,6 +71,7 @@ class Batcher:
         self.join_queued_calls = True
         # Decode steps per host read (`device_decode`): 1 is the one-step loop (the CPU's default).
         self.decode_steps = default_steps(engine.device)
+        self.stacked = StackedAdapters()  # mixed-adapter blocks' stacked LoRA weights (`multi_lora`)
         # Statistics for tests and benchmarks.
         self.steps = 0  # forwards run, prefills included
         self.widest = 0  # the most rows one forward has decoded together
@@ -170,10 +173,14 @@ class Batcher:
         if len(set(adapters.values())) == 1:
             context = engine.activate_policy(policies[0])
         else:  # rows of several adapters: one forward, each row through its own
-            kwargs["adapter_names"] = names
             # peft honours adapter_names only with adapters enabled (after a base-model forward they are off):
             # activating one of the batch's adapters enables them (once: a switch to the active one is skipped).
             context = engine.activate_policy(next(p for p, name in zip(policies, names) if name != BASE_ADAPTER))
+            grouped = self.stacked.rows(engine.model, names)  # stacked adapters, grouped matmuls (`multi_lora`)
+            if grouped is not None:
+                context = _both(context, grouped)
+            else:
+                kwargs["adapter_names"] = names
         # Only the last position's logits. A prefill's last column as a slice is a strided view, for which
         # torch's linear expands the LM head's weight per row (bmm): an index tensor gathers it contiguous first.
         width = inputs["input_ids"].shape[1]
@@ -322,6 +329,12 @@ class Batcher:
         block.attention = torch.cat([block.attention, block.attention.new_ones((len(keep), 1))], dim=1)
         block.positions = block.positions[:, -1:] + 1
         return block
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 def _row_layers(cache, row: int, mask: torch.Tensor):

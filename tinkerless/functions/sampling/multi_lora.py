@@ -27,6 +27,7 @@ Only forwards without gradients take this path (sampling); training keeps peft's
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 from typing import Iterator
 
@@ -157,6 +158,22 @@ class MultiLoRA:
             self._token_mask = self.mask.repeat_interleave(tokens // rows, dim=0)
         return self._token_mask
 
+    def current(self) -> bool:
+        """Every stacked weight is still its layer's (an adapter deleted and made again, or a load that swaps
+        tensors, makes new ones) and every grouped layer still runs this MultiLoRA's forward."""
+        for group in self.groups:
+            for p, module in enumerate(group.modules):
+                if _MARK not in module.__dict__:
+                    return False
+            for p, slot, a, b, scaling, _ in group.sources:
+                module, name = group.modules[p], self.adapters[slot]
+                lora_a = module.lora_A[name] if name in module.lora_A else None
+                lora_b = module.lora_B[name] if name in module.lora_B else None
+                if lora_a is None or lora_b is None or lora_a.weight is not a or lora_b.weight is not b \
+                        or module.scaling.get(name) != scaling:
+                    return False
+        return True
+
     def remove(self) -> None:
         """Give the layers back their own forward."""
         for group in self.groups:
@@ -184,3 +201,55 @@ def _install(module: nn.Module, group: _Group, p: int) -> None:
 
     module.__dict__[_MARK] = (previous,)
     module.forward = types.MethodType(forward, module)
+
+
+def enabled() -> bool:
+    """TINKERLESS_GROUPED_LORA=0: mixed-adapter batches take peft's per-row path (the benchmarks' "before")."""
+    return os.environ.get("TINKERLESS_GROUPED_LORA", "1").strip() != "0"
+
+
+def covers(model: nn.Module, adapters: tuple[str, ...]) -> bool:
+    """Whether every LoRA layer adapted by one of `adapters` is one MultiLoRA computes (a peft LoRA `Linear` over
+    a plain `nn.Linear`, plain LoRA: no DoRA or other variant, no bias on A/B); else peft's path must serve them."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    for module in model.modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, nn.ModuleDict) or not any(a in lora_a for a in adapters):
+            continue
+        if type(module) is not LoraLinear or type(module.base_layer) is not nn.Linear:
+            return False
+        for name in adapters:
+            if name in lora_a and (name in getattr(module, "lora_variant", {}) or lora_a[name].bias is not None
+                                   or module.lora_B[name].bias is not None):
+                return False
+    return True
+
+
+class StackedAdapters:
+    """A batcher's MultiLoRA for the adapters of its mixed block, rebuilt when the set or their weights change."""
+
+    def __init__(self) -> None:
+        self.multi: MultiLoRA | None = None
+        self.key: tuple[str, ...] | None = None
+        self.builds = 0  # statistics for tests and benchmarks
+
+    def rows(self, model: nn.Module, adapter_of_row: list[str]):
+        """A context running each row through its adapter with grouped matmuls, or None where peft must."""
+        if not enabled():
+            return None
+        adapters = tuple(sorted({a for a in adapter_of_row if a not in (None, BASE)}))
+        if self.key == adapters and self.multi is None:
+            return None  # these adapters were found to need peft's path
+        if self.multi is None or self.key != adapters or not self.multi.current():
+            self.release()
+            self.key = adapters
+            if covers(model, adapters):
+                self.multi = MultiLoRA(model, list(adapters))
+                self.builds += 1
+        return self.multi.rows(adapter_of_row) if self.multi is not None else None
+
+    def release(self) -> None:
+        if self.multi is not None:
+            self.multi.remove()
+        self.multi, self.key = None, None
