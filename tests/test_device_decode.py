@@ -24,6 +24,7 @@ from tinkerless.functions.sampling.kv_cache import KVSession
 from tinkerless.wire.messages import AdamParams, Datum, SamplingParams, UpdateRequest
 
 CHUNKS = [3, 8]
+last_decoder: list = [None]  # the graphed decoder of the last `run`
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,7 @@ def run(worker, call, steps: int, pooled: bool = False):
     batcher = worker.engine.batcher
     batcher.decode_steps = steps
     worker.engine.graphs = decoder = GraphedDecoder(worker.engine.model, capture=False) if pooled else None
+    last_decoder[:] = [decoder]
     chunks = batcher.chunks
     try:
         result = call()
@@ -120,6 +122,8 @@ def test_rows_joining_mid_generation_and_mixed_adapters_keep_their_alone_tokens(
         for mine, want in zip(got, alone):
             assert_same(mine, want, tolerance=1e-4)
         assert worker.engine.batcher.most_jobs >= 3
+        if pooled:
+            assert any(adapter.startswith("mixed:") for adapter, _ in last_decoder[0]._graphs)
     assert worker.engine.batcher.stacked.builds > 0, "the mixed block must run through the stacked adapters"
 
 

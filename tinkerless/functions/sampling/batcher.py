@@ -288,9 +288,14 @@ class Batcher:
         if graphs is None:
             return None
         adapters = {self.engine.adapter_name(policy) for policy in set(policies)}
-        logits = None
-        if graphs.takes(block, adapters):
-            logits = graphs.decode(block, next(iter(adapters)), self.engine.activate_policy(policies[0]))
+        logits, mixed, first = None, None, policies[0]
+        if len(adapters) > 1:  # several adapters: a graph of them stacked, where `multi_lora` can stack them
+            names = [self.engine.adapter_name(policy) for policy in policies]
+            multi = self.stacked.prepare(self.engine.model, names)
+            mixed = (multi, names) if multi is not None else None
+            first = next(p for p, name in zip(policies, names) if name != BASE_ADAPTER)
+        if graphs.takes(block, adapters, stacked=mixed is not None):
+            logits = graphs.decode(block, next(iter(adapters)), self.engine.activate_policy(first), mixed)
         if logits is None:
             graphs.eager_steps += 1
             return None

@@ -17,7 +17,9 @@ row draws the same tokens from its own seed. The pool keeps each row in a slot:
   they are moved to the front once, so later steps replay the smaller graph.
 * **Rows that join** (continuous batching) turn the block back into the batcher's growing cache; the
   next step puts it in the pool again (one copy of the keys and values).
-* **What cannot be graphed** runs eagerly, as on a CPU: rows of several adapters in one forward (peft's
+* **Rows of several adapters** replay a graph of their adapters stacked (`multi_lora.MultiLoRA`): each slot's
+  adapter is a row of a mask buffer the graph reads, refilled when rows leave or join.
+* **What cannot be graphed** runs eagerly, as on a CPU: adapters that `multi_lora` cannot stack (peft's
   per-row `adapter_names`), a block whose positions outgrow the pool's memory budget, a model in
   training mode. Those cases give the same tokens, only slower.
 
@@ -28,6 +30,7 @@ graphs off on a GPU (the "before" of bench/gpu_shapes.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Callable
@@ -199,19 +202,23 @@ class GraphedDecoder:
         self.captured: set[str] = set()  # adapters a graph was captured for
         self.eager_steps = 0  # steps of blocks that could not be graphed
         self.disabled: str | None = None  # why graphs are off (a capture failed)
+        self._masks: dict[tuple[str, int], tuple] = {}  # mixed graphs' slot masks: (buffer, what it was filled with)
 
-    def takes(self, block, adapters: set[str]) -> bool:
-        """Whether this block's next step can replay a graph: one adapter, positions within the pool budget."""
-        if len(adapters) != 1 or self.model.training or self.disabled:
+    def takes(self, block, adapters: set[str], stacked: bool = False) -> bool:
+        """Whether this block's next step can replay a graph: one adapter (or several `stacked` in a
+        `multi_lora.MultiLoRA`), positions within the pool budget."""
+        if (len(adapters) != 1 and not stacked) or self.model.training or self.disabled:
             return False
         if isinstance(block.cache, PooledCache):
             pool = block.cache.pool
             return block.attention.shape[1] <= pool.positions and len(block.cache.slots) <= pool.rows
         return True
 
-    def decode(self, block, adapter: str, context) -> torch.Tensor | None:
+    def decode(self, block, adapter: str, context, mixed: tuple | None = None) -> torch.Tensor | None:
         """Run the block's next step from a graph (putting the block in the pool first if needed); the last
-        position's logits of its rows, in row order. None: the block cannot live in a pool (over budget)."""
+        position's logits of its rows, in row order. None: the block cannot live in a pool (over budget).
+        `mixed`: (a MultiLoRA, each row's adapter) for a block of several adapters: its graph reads each slot's
+        adapter from a mask buffer filled here (`multi_lora`)."""
         if not isinstance(block.cache, PooledCache) and not self._adopt(block):
             return None
         cache: PooledCache = block.cache
@@ -224,9 +231,14 @@ class GraphedDecoder:
         pool.mask[:, 0, 0, :width].index_copy_(0, index, block.attention.bool())
         pool.column.fill_(width - 1)
         rows = bucket(max(cache.slots) + 1)
+        multi = None
+        if mixed is not None:
+            multi, names = mixed
+            adapter = "mixed:" + ",".join(multi.adapters)
+            context = _within(context, multi.using(self._slot_mask(adapter, rows, multi, cache.slots, names)))
         with context:
             try:
-                graph = self._graph(adapter, rows)
+                graph = self._graph(adapter, rows, multi)
             except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured runs eagerly from now on
                 self.disable(exc)
                 return None
@@ -246,6 +258,7 @@ class GraphedDecoder:
         """Drop the pool and every graph (their memory goes back to the allocator)."""
         self.pool = None
         self._graphs.clear()
+        self._masks.clear()
         if self.capture:  # a pool id whose graphs are all gone cannot take new captures: the next pool gets its own
             self._memory_pool = torch.cuda.graph_pool_handle()
 
@@ -284,12 +297,32 @@ class GraphedDecoder:
 
         return nbytes <= POOL_MEMORY_SHARE * gpu_available_bytes(keys.device)
 
-    def _graph(self, adapter: str, rows: int) -> _Graph:
+    def _slot_mask(self, key: str, rows: int, multi, slots: list[int], names: list[str]) -> torch.Tensor:
+        """The (rows, adapters) mask a mixed graph reads, with each slot's adapter set (refilled only when the
+        block's rows or adapters changed since the last fill)."""
+        buffer, filled = self._masks.get((key, rows), (None, None))
+        like = multi.groups[0].a_cat
+        if buffer is None or buffer.shape[1] != len(multi.adapters) or buffer.dtype != like.dtype:
+            buffer, filled = like.new_zeros((rows, len(multi.adapters))), None
+        wanted = (tuple(slots), tuple(names), tuple(multi.adapters))
+        if filled != wanted:
+            column = {name: i for i, name in enumerate(multi.adapters)}
+            host = torch.zeros((rows, len(multi.adapters)), dtype=buffer.dtype)
+            for slot, name in zip(slots, names):
+                if name in column:
+                    host[slot, column[name]] = 1
+            buffer.copy_(host)
+        self._masks[(key, rows)] = (buffer, wanted)
+        return buffer
+
+    def _graph(self, adapter: str, rows: int, multi=None) -> _Graph:
         """The graph of `adapter` over the pool's first `rows` slots, captured on first use or when the adapter's
-        weights moved to other storage since."""
+        weights moved to other storage since (a mixed graph: when its MultiLoRA is no longer the current one)."""
         key = (adapter, rows)
         graph = self._graphs.get(key)
-        if graph is not None and not _unchanged(graph.watched, adapter):
+        stale = graph is not None and (graph.watched is not multi or not multi.current() if multi is not None
+                                       else not _unchanged(graph.watched, adapter))
+        if stale:
             self._graphs = {k: g for k, g in self._graphs.items() if k[0] != adapter}
             graph = None
         if graph is None:
@@ -299,11 +332,17 @@ class GraphedDecoder:
                           position_ids=pool.position_ids[:rows], past_key_values=cache, use_cache=True,
                           logits_to_keep=1)
             graph = _Graph(lambda: self.model(**inputs).logits, self.capture, self._memory_pool,
-                           _weights_watch(self.model, adapter))
+                           multi if multi is not None else _weights_watch(self.model, adapter))
             self._graphs[key] = graph
             self.captures += 1
             self.captured.add(adapter)
         return graph
+
+
+@contextlib.contextmanager
+def _within(first, second):
+    with first, second:
+        yield
 
 
 def _weights_watch(model, adapter: str) -> list:

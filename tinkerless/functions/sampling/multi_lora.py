@@ -236,6 +236,11 @@ class StackedAdapters:
 
     def rows(self, model: nn.Module, adapter_of_row: list[str]):
         """A context running each row through its adapter with grouped matmuls, or None where peft must."""
+        multi = self.prepare(model, adapter_of_row)
+        return multi.rows(adapter_of_row) if multi is not None else None
+
+    def prepare(self, model: nn.Module, adapter_of_row: list[str]) -> MultiLoRA | None:
+        """The MultiLoRA of these rows' adapters (built or rebuilt as needed), or None where peft must serve them."""
         if not enabled():
             return None
         adapters = tuple(sorted({a for a in adapter_of_row if a not in (None, BASE)}))
@@ -247,7 +252,7 @@ class StackedAdapters:
             if covers(model, adapters):
                 self.multi = MultiLoRA(model, list(adapters))
                 self.builds += 1
-        return self.multi.rows(adapter_of_row) if self.multi is not None else None
+        return self.multi
 
     def release(self) -> None:
         if self.multi is not None:
