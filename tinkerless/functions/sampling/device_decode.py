@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tinkerless.functions.sampling.blocks import block_settings
-from tinkerless.functions.sampling.device_sampling import check_finite, sample
+from tinkerless.functions.sampling.device_sampling import check_finite, counter_uniforms, sample
 
 if TYPE_CHECKING:
     from tinkerless.functions.sampling.batcher import Batcher
@@ -70,9 +70,12 @@ def run_chunk(batcher: Batcher, block: _Block, steps: int, logits_of) -> _Block 
     tokens = torch.zeros((rows, steps), dtype=torch.long, device=device)
     logprobs = torch.zeros((rows, steps), dtype=torch.float32, device=device)
     tops = None
+    # every step's uniforms at once (a hash of (row, position) only): one batch of small integer ops per chunk
+    uniforms = None if settings.all_greedy else counter_uniforms(
+        settings.keys, positions[:, None] + torch.arange(steps, device=device)[None, :])
     for step in range(steps):
         logits = logits_of(block, policies)
-        draw = sample(logits, settings, positions + step)
+        draw = sample(logits, settings, None, uniforms[:, step] if uniforms is not None else None)
         tokens[:, step] = draw.tokens
         logprobs[:, step] = draw.logprobs
         if top_k:

@@ -134,9 +134,11 @@ def filtered_scores(logits: torch.Tensor, settings: DrawSettings) -> torch.Tenso
     return scores
 
 
-def sample(logits: torch.Tensor, settings: DrawSettings, positions: torch.Tensor) -> Draw:
+def sample(logits: torch.Tensor, settings: DrawSettings, positions: torch.Tensor | None,
+           uniforms: torch.Tensor | None = None) -> Draw:
     """Each row's token from `logits` (rows, vocab), float32: greedy rows by argmax, the others by the inverse
-    CDF of their filtered softmax with their uniform at `positions` (rows,). No host read."""
+    CDF of their filtered softmax with their uniform at `positions` (rows,), or with `uniforms` (rows,) computed
+    ahead (`counter_uniforms` of several steps at once: one hash per chunk, not per step). No host read."""
     logprobs = torch.log_softmax(logits, dim=-1)
     greedy_tokens = logits.argmax(dim=-1)
     if settings.all_greedy:
@@ -147,7 +149,9 @@ def sample(logits: torch.Tensor, settings: DrawSettings, positions: torch.Tensor
     # right=True: the first token whose cumulative mass exceeds u, so a zero-probability token (filtered) is never
     # picked; u < total mass, clamped against rounding; a non-finite row's pick is clamped into the vocabulary
     # (it is refused through `finite`, but the step after it must still index the embedding table safely).
-    targets = torch.minimum(counter_uniforms(settings.keys, positions) * total, total * (1 - 1e-6))
+    if uniforms is None:
+        uniforms = counter_uniforms(settings.keys, positions)
+    targets = torch.minimum(uniforms * total, total * (1 - 1e-6))
     drawn = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1).clamp_(0, logits.shape[-1] - 1)
     tokens = torch.where(settings.greedy, greedy_tokens, drawn)
     picked = logprobs.gather(1, tokens[:, None]).squeeze(1)
