@@ -241,7 +241,7 @@ class StackedAdapters:
 
     def prepare(self, model: nn.Module, adapter_of_row: list[str]) -> MultiLoRA | None:
         """The MultiLoRA of these rows' adapters (built or rebuilt as needed), or None where peft must serve them."""
-        if not enabled():
+        if not enabled() or model.training:  # training mode: peft applies the adapters' dropout
             return None
         adapters = tuple(sorted({a for a in adapter_of_row if a not in (None, BASE)}))
         if self.key == adapters and self.multi is None:
