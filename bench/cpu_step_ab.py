@@ -5,8 +5,8 @@
 
 `step`: bench/overhead.py's tinkerless side (SmolLM2, 8 x 4 rows, 12 new tokens, LoRA r16, a checkpoint a step):
 the local `tinkerless.train` step times after the first. `sample`: `engine.generate` of 32 rows x 16 sampled tokens
-on SmolLM2 with a LoRA policy, four timed calls after a warm-up. Alternate the two checkouts (A B A B) on a shared
-machine: one run's figures move with the other jobs' load.
+on SmolLM2 with a LoRA policy, four timed calls after a warm-up, wall and process CPU seconds (the CPU seconds
+move less with other jobs' load). Alternate the two checkouts (A B A B) on a shared machine.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def sample_times(model: str, calls: int) -> list[float]:
     worker.engine.generate(prompts[:4], sampling, policy="p", seed=0)
     times = []
     for k in range(calls):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         worker.engine.generate(prompts, sampling, policy="p", seed=k)
-        times.append(time.perf_counter() - started)
+        times.append((time.perf_counter() - started, time.process_time() - cpu))
     return times
 
 
@@ -52,9 +52,15 @@ def main() -> None:
     args = parser.parse_args()
     import tinkerless
 
-    times = step_times(args.model, args.repeats) if args.what == "step" else sample_times(args.model, args.repeats)
     print(f"code: {os.path.dirname(tinkerless.__file__)}")
-    print(f"{args.what} seconds: {[round(t, 3) for t in times]} median {statistics.median(times):.3f}")
+    if args.what == "step":
+        times = step_times(args.model, args.repeats)
+        print(f"step seconds: {[round(t, 3) for t in times]} median {statistics.median(times):.3f}")
+        return
+    times = sample_times(args.model, args.repeats)
+    wall, cpu = [t for t, _ in times], [c for _, c in times]
+    print(f"sample wall seconds: {[round(t, 3) for t in wall]} median {statistics.median(wall):.3f}")
+    print(f"sample process CPU seconds: {[round(c, 3) for c in cpu]} median {statistics.median(cpu):.3f}")
 
 
 if __name__ == "__main__":
