@@ -80,6 +80,7 @@ class DrawSettings:
     top_k: torch.Tensor  # (rows,) int64; 0: off
     top_p: torch.Tensor  # (rows,) float32; 1: off
     all_greedy: bool
+    any_greedy: bool
     top_k_max: int  # the largest top_k of any sampled row (0: no row filters by top-k)
     any_top_p: bool
 
@@ -98,13 +99,13 @@ class DrawSettings:
             temperature=torch.tensor(temperature, dtype=torch.float32).to(device),
             top_k=torch.tensor(top_k, dtype=torch.long).to(device),
             top_p=torch.tensor(top_p, dtype=torch.float32).to(device),
-            all_greedy=all(greedy), top_k_max=max(top_k, default=0), any_top_p=any(p < 1.0 for p in top_p),
+            all_greedy=all(greedy), any_greedy=any(greedy), top_k_max=max(top_k, default=0), any_top_p=any(p < 1.0 for p in top_p),
         )
 
     def select(self, index: torch.Tensor) -> DrawSettings:
         """The settings of rows `index` (the host flags kept: a superset of the selected rows' needs)."""
         return DrawSettings(self.keys[index], self.greedy[index], self.temperature[index], self.top_k[index],
-                            self.top_p[index], self.all_greedy, self.top_k_max, self.any_top_p)
+                            self.top_p[index], self.all_greedy, self.any_greedy, self.top_k_max, self.any_top_p)
 
 
 @dataclass
@@ -140,7 +141,7 @@ def sample(logits: torch.Tensor, settings: DrawSettings, positions: torch.Tensor
     CDF of their filtered softmax with their uniform at `positions` (rows,), or with `uniforms` (rows,) computed
     ahead (`counter_uniforms` of several steps at once: one hash per chunk, not per step). No host read."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = logits.argmax(dim=-1) if settings.any_greedy else None
     if settings.all_greedy:
         picked = logprobs.gather(1, greedy_tokens[:, None]).squeeze(1)
         return Draw(greedy_tokens, picked, torch.isfinite(picked))  # argmax picks something even from NaN logits
@@ -153,6 +154,8 @@ def sample(logits: torch.Tensor, settings: DrawSettings, positions: torch.Tensor
         uniforms = counter_uniforms(settings.keys, positions)
     targets = torch.minimum(uniforms * total, total * (1 - 1e-6))
     drawn = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1).clamp_(0, logits.shape[-1] - 1)
+    if not settings.any_greedy:
+        return Draw(drawn, logprobs.gather(1, drawn[:, None]).squeeze(1), torch.isfinite(total))
     tokens = torch.where(settings.greedy, greedy_tokens, drawn)
     picked = logprobs.gather(1, tokens[:, None]).squeeze(1)
     finite = torch.where(settings.greedy, torch.isfinite(picked), torch.isfinite(total))
