@@ -177,3 +177,51 @@ def test_smollm2_generations_match_sdpa():
     assert config.num_key_value_heads < config.num_attention_heads
     assert config._attn_implementation == gqa_attention.NAME
     assert_same_generations(worker, None, seed=5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, positions", [(4, 2, 7), (9, 3, 33), (32, 8, 5), (6, 1, 12)])
+def test_a_folded_decode_step_equals_attention_over_expanded_keys_and_values(heads, kv_heads, positions):
+    """The GPU decode path (query heads folded into the query length, no K/V copy) against repeat_kv + SDPA,
+    with left padding and a mask wider than the keys (a pool's), and an additive float mask."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    generator = torch.Generator().manual_seed(heads * positions)
+    batch, dim, groups = 3, 16, heads // kv_heads
+    query = torch.randn(batch, heads, 1, dim, generator=generator)
+    key = torch.randn(batch, kv_heads, positions, dim, generator=generator)
+    value = torch.randn(batch, kv_heads, positions, dim, generator=generator)
+    mask = torch.ones(batch, 1, 1, positions + 4, dtype=torch.bool)
+    mask[0, ..., :3] = False  # left padding
+    mask[2, ..., 1] = False
+    for attention_mask in (mask, torch.zeros_like(mask, dtype=torch.float).masked_fill(~mask, float("-inf")), None):
+        got, _ = gqa_attention.folded_decode(query, key, value, attention_mask, 0.25, groups)
+        trimmed = attention_mask[..., :positions] if attention_mask is not None else None
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=trimmed, scale=0.25).transpose(1, 2)
+        assert got.shape == (batch, 1, heads, dim)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_steps_off_the_cpu_take_the_folded_path_and_prefills_transformers(monkeypatch, sdpa_calls):
+    """Routing, with meta tensors standing in for a GPU's: one query position folds; a prefill, a forward with
+    gradients, or TINKERLESS_GQA_DECODE=0 goes to transformers' sdpa."""
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    folded = []
+    real = gqa_attention.folded_decode
+    monkeypatch.setattr(gqa_attention, "folded_decode", lambda *a: folded.append(1) or real(*a))
+
+    def call(q_len):
+        query = torch.empty(2, 4, q_len, 8, device="meta")
+        key = torch.empty(2, 2, 6, 8, device="meta")
+        return gqa_attention.gqa_attention_forward(module, query, key, key, torch.ones(2, 1, q_len, 6, dtype=torch.bool,
+                                                                                       device="meta"))
+
+    with torch.no_grad():
+        out, _ = call(1)
+        assert out.shape == (2, 1, 4, 8) and folded == [1] and sdpa_calls == []
+        call(5)
+        assert folded == [1] and len(sdpa_calls) == 1
+        monkeypatch.setenv("TINKERLESS_GQA_DECODE", "0")
+        call(1)
+        assert folded == [1] and len(sdpa_calls) == 2
