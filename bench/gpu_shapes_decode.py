@@ -116,8 +116,6 @@ def decode_speed(model_dir: str, shape: str, args, update_batch: int) -> list[di
                          "seconds": steady_s, "peak_gib": peak, "first_call_s": first_s,
                          "first_call_tokens_per_s": sum(len(g.tokens) for g in first) / first_s,
                          "first_over_steady": steady_s / first_s})
-            if batch == args.large_batch == args.batch:
-                break
         worker = None
         _free(args.device)
         if args.large_batch == args.batch:

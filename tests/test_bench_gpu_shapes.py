@@ -56,7 +56,7 @@ def test_issue_36s_measurements_run_and_the_device_decode_passes_its_exactness_c
     out = tmp_path / "shapes.jsonl"
     script = Path(__file__).resolve().parents[1] / "bench" / "gpu_shapes.py"
     done = subprocess.run([sys.executable, str(script), "--shapes", "tiny", "--device", "cpu", "--batch", "4",
-                           "--large-batch", "6", "--exact-rows", "9", "--decode-steps", "3", "--prompt-tokens", "5",
+                           "--large-batch", "4", "--exact-rows", "9", "--decode-steps", "3", "--prompt-tokens", "5",
                            "--new-tokens", "7", "--extras", "tiny", "--exactness", "", "--skip-baselines",
                            "--out", str(out)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TINKERLESS_STATIC_DECODE": "1"})
@@ -67,10 +67,9 @@ def test_issue_36s_measurements_run_and_the_device_decode_passes_its_exactness_c
         check = measured[f"device decode vs eager one-step, {name}"]
         assert check["passes"] and check["rows"] == 9 and check["chunks"] > 0, check
         assert check["lengths"][0] < 7, "rows must stop at their own times"
-    for batch in (4, 6):
-        for label in ("device decode, 3 steps per host read", "one-step loop"):
-            row = measured[f"sampling at batch {batch}, {label}"]
-            assert row["tokens_per_s"] > 0 and row["first_call_tokens_per_s"] > 0
+    for label in ("device decode, 3 steps per host read", "one-step loop"):  # --large-batch equal: one batch size
+        row = measured[f"sampling at batch 4, {label}"]
+        assert row["tokens_per_s"] > 0 and row["first_call_tokens_per_s"] > 0
     mixed = measured["sampling, 4 adapters mixed in one batch"]
     assert mixed["tokens_per_s"] > 0 and mixed["mixed_over_one"] > 0
     step = measured["whole RL step, 4 x 7 tokens"]
