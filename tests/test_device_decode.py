@@ -123,7 +123,7 @@ def test_rows_joining_mid_generation_and_mixed_adapters_keep_their_alone_tokens(
             assert_same(mine, want, tolerance=1e-4)
         assert worker.engine.batcher.most_jobs >= 3
         if pooled:
-            assert any(adapter.startswith("mixed:") for adapter, _ in last_decoder[0]._graphs)
+            assert any(adapter.startswith("mixed:") for adapter, _, _ in last_decoder[0]._graphs)
     assert worker.engine.batcher.stacked.builds > 0, "the mixed block must run through the stacked adapters"
 
 

@@ -85,8 +85,35 @@ def test_rows_that_stop_leave_their_slots_and_live_rows_move_to_a_smaller_bucket
     _, graphed, decoder = both(worker, lambda: worker.engine.generate(PROMPTS, sampling, policy="pb", seed=5))
     lengths = sorted(len(g.tokens) for g in graphed)
     assert lengths[0] < 5 and lengths[-1] > 15, "the check needs rows that stop early and rows that go on"
-    rows_seen = {rows for _, rows in decoder._graphs}
+    rows_seen = {rows for _, rows, _ in decoder._graphs}
     assert bucket(len(PROMPTS)) in rows_seen and min(rows_seen) < bucket(len(PROMPTS)), rows_seen
+
+
+def test_a_graph_attends_over_the_live_width_not_the_whole_pool(worker):
+    """After a long call grew the pool, a short call's graphs read only its live width (rounded up to 128), and
+    a block whose width crosses 128 moves to the next span; the tokens are the eager ones."""
+    long = SamplingParams(max_tokens=260, temperature=1.0, stop_token_ids=[])
+    short = SamplingParams(max_tokens=20, temperature=0.8, top_k=20)
+    replays_by_span: list = []  # the graphed run's graphs after the long call, then the short call's replays
+
+    def calls():
+        graphs = worker.engine.graphs  # None in the eager run
+        out = [worker.engine.generate(PROMPTS[:4], long, policy="pa", seed=1)]
+        if graphs is not None:
+            replays_by_span.append(set(graphs._graphs))
+            replays = graphs.replays
+        out.append(worker.engine.generate(PROMPTS[:4], short, policy="pa", seed=2))
+        if graphs is not None:
+            replays_by_span.append(graphs.replays - replays)
+        return out
+
+    eager, graphed, decoder = both(worker, calls)
+    for got, want in zip(graphed, eager):
+        assert_same(got, want)
+    after_long = replays_by_span[0]
+    assert decoder.pool.positions == 384 and {span for _, _, span in after_long} == {128, 256, 384}
+    assert replays_by_span[1] > 0
+    assert {span for _, _, span in set(decoder._graphs) - after_long} <= {128}, "the short call reads 128 positions"
 
 
 def test_the_base_model_and_each_policy_replay_their_own_graphs(worker):
@@ -126,7 +153,7 @@ def test_rows_joining_a_running_block_and_mixed_adapters_change_no_tokens(worker
         worker.engine.graphs = None
     for got, want in zip(results, alone):
         assert_same(got, want, tolerance=1e-4)  # batched products: float rounding
-    assert any(adapter.startswith("mixed:") for adapter, _ in decoder._graphs), \
+    assert any(adapter.startswith("mixed:") for adapter, _, _ in decoder._graphs), \
         "rows of several adapters replay a graph of the adapters stacked (multi_lora)"
 
 

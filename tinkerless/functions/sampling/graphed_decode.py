@@ -5,7 +5,8 @@ kernels launched one by one from Python. A CUDA graph records those launches onc
 one call. A graph replays fixed addresses and shapes, so a block decoded this way keeps its keys and
 values in a `DecodePool`: per layer, buffers of a fixed number of rows (`bucket`s of 1, 2, 4, 8, 16,
 24, 32, 48, 64, ... rows) and a fixed number of positions, with fixed input, position and mask tensors
-that each step fills before the replay. A graph is captured once per (policy, bucket) over the pool and
+that each step fills before the replay. A graph is captured once per (policy, bucket, span) over the pool (the
+span: the positions it attends over, the block's live width rounded up to 128, not the pool's whole width) and
 replayed on every later step and call of that shape, until the pool is outgrown or the policy's weights
 move to new storage (an optimizer step writes in place, so the graph sees it; a load that swaps
 tensors, or a deleted and re-made adapter, is caught before the replay and recaptured).
@@ -89,10 +90,11 @@ class DecodePool:
         self.mask[:rows].zero_()
         self.mask[:, 0, 0, 0] = True
 
-    def cache(self, rows: int) -> DynamicCache:
-        """The transformers cache a graph of `rows` rows runs with: writes at `column`, reads every position."""
+    def cache(self, rows: int, span: int) -> DynamicCache:
+        """The transformers cache a graph of `rows` rows runs with: writes at `column`, reads the first `span`
+        positions (the live width rounded up to POSITION_STEP, not the whole pool)."""
         cache = DynamicCache()
-        cache.layers = [_PoolLayer(k[:rows], v[:rows], self.column) for k, v in self.layers]
+        cache.layers = [_PoolLayer(k[:rows, :, :span], v[:rows, :, :span], self.column) for k, v in self.layers]
         return cache
 
 
@@ -195,7 +197,7 @@ class GraphedDecoder:
     def __init__(self, model, capture: bool):
         self.model, self.capture = model, capture
         self.pool: DecodePool | None = None
-        self._graphs: dict[tuple[str, int], _Graph] = {}
+        self._graphs: dict[tuple[str, int, int], _Graph] = {}  # (adapter, rows, positions read)
         self._memory_pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0  # statistics for tests and benchmarks
         self.captures = 0
@@ -231,6 +233,7 @@ class GraphedDecoder:
         pool.mask[:, 0, 0, :width].index_copy_(0, index, block.attention.bool())
         pool.column.fill_(width - 1)
         rows = bucket(max(cache.slots) + 1)
+        span = min(pool.positions, -(-width // POSITION_STEP) * POSITION_STEP)  # attend over the live width only
         multi = None
         if mixed is not None:
             multi, names = mixed
@@ -238,7 +241,7 @@ class GraphedDecoder:
             context = _within(context, multi.using(self._slot_mask(adapter, rows, multi, cache.slots, names)))
         with context:
             try:
-                graph = self._graph(adapter, rows, multi)
+                graph = self._graph(adapter, rows, span, multi)
             except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured runs eagerly from now on
                 self.disable(exc)
                 return None
@@ -315,10 +318,11 @@ class GraphedDecoder:
         self._masks[(key, rows)] = (buffer, wanted)
         return buffer
 
-    def _graph(self, adapter: str, rows: int, multi=None) -> _Graph:
-        """The graph of `adapter` over the pool's first `rows` slots, captured on first use or when the adapter's
-        weights moved to other storage since (a mixed graph: when its MultiLoRA is no longer the current one)."""
-        key = (adapter, rows)
+    def _graph(self, adapter: str, rows: int, span: int, multi=None) -> _Graph:
+        """The graph of `adapter` over the pool's first `rows` slots and `span` positions, captured on first use or
+        when the adapter's weights moved to other storage since (a mixed graph: when its MultiLoRA is no longer
+        the current one)."""
+        key = (adapter, rows, span)
         graph = self._graphs.get(key)
         stale = graph is not None and (graph.watched is not multi or not multi.current() if multi is not None
                                        else not _unchanged(graph.watched, adapter))
@@ -327,8 +331,8 @@ class GraphedDecoder:
             graph = None
         if graph is None:
             pool = self.pool
-            cache = pool.cache(rows)
-            inputs = dict(input_ids=pool.input_ids[:rows], attention_mask=pool.mask[:rows],
+            cache = pool.cache(rows, span)
+            inputs = dict(input_ids=pool.input_ids[:rows], attention_mask=pool.mask[:rows, :, :, :span],
                           position_ids=pool.position_ids[:rows], past_key_values=cache, use_cache=True,
                           logits_to_keep=1)
             graph = _Graph(lambda: self.model(**inputs).logits, self.capture, self._memory_pool,
