@@ -6,8 +6,9 @@ On the `--extras` shape (1.7B by default), in the same process and device as the
   rows stop at their own times: identical tokens, or each differing row shown to be a near-tie at its first
   difference (the eager top-two log-probs within 1e-4); log-probs of identical rows within 1e-5.
 - `decode_speed`: sampling at `--batch` with the device decode (`--decode-steps` per host read) against the
-  one-step loop on the same worker, and at `--large-batch` rows (256): first call (captures included) and
-  steady call, each.
+  one-step loop on the same worker, and the device decode with one adapter through the grouped (stacked) LoRA
+  path (`TINKERLESS_GROUPED_LORA_SINGLE=1`); the same at `--large-batch` rows (256): first call (captures
+  included) and steady call, each.
 - `mixed_adapters`: `--batch` rows split over 4 policies in one block, against the same rows of one policy.
 - `rl_step`: the whole local RL step at the worker level (sample `--batch` x `--new-tokens`, forward_backward,
   optim_step), three steps: the first and the steady ones.
@@ -15,6 +16,7 @@ On the `--extras` shape (1.7B by default), in the same process and device as the
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -106,9 +108,12 @@ def decode_speed(model_dir: str, shape: str, args, update_batch: int) -> list[di
         prompts = _prompts(batch, args)
         batcher = worker.engine.batcher
         base = {"shape": shape, "dtype": worker.info()["dtype"], "rows": batch}
-        for steps in (args.decode_steps, 1):
+        modes = [(args.decode_steps, "0"), (1, "0"), (args.decode_steps, "1")]  # (steps, grouped single LoRA)
+        for steps, grouped in modes:
             batcher.decode_steps = steps
+            os.environ["TINKERLESS_GROUPED_LORA_SINGLE"] = grouped
             label = f"device decode, {steps} steps per host read" if steps > 1 else "one-step loop"
+            label += ", grouped LoRA" if grouped == "1" else ""
             first, first_s, _ = _timed(lambda: _sampled(worker, prompts, sampling), args.device)
             steady, steady_s, peak = _timed(lambda: _sampled(worker, prompts, sampling), args.device)
             tokens = sum(len(g.tokens) for g in steady)
@@ -116,6 +121,7 @@ def decode_speed(model_dir: str, shape: str, args, update_batch: int) -> list[di
                          "seconds": steady_s, "peak_gib": peak, "first_call_s": first_s,
                          "first_call_tokens_per_s": sum(len(g.tokens) for g in first) / first_s,
                          "first_over_steady": steady_s / first_s})
+        os.environ["TINKERLESS_GROUPED_LORA_SINGLE"] = "0"
         worker = None
         _free(args.device)
         if args.large_batch == args.batch:

@@ -67,7 +67,8 @@ def test_issue_36s_measurements_run_and_the_device_decode_passes_its_exactness_c
         check = measured[f"device decode vs eager one-step, {name}"]
         assert check["passes"] and check["rows"] == 9 and check["chunks"] > 0, check
         assert check["lengths"][0] < 7, "rows must stop at their own times"
-    for label in ("device decode, 3 steps per host read", "one-step loop"):  # --large-batch equal: one batch size
+    for label in ("device decode, 3 steps per host read", "one-step loop",  # --large-batch equal: one batch size
+                  "device decode, 3 steps per host read, grouped LoRA"):
         row = measured[f"sampling at batch 4, {label}"]
         assert row["tokens_per_s"] > 0 and row["first_call_tokens_per_s"] > 0
     mixed = measured["sampling, 4 adapters mixed in one batch"]

@@ -168,6 +168,18 @@ def test_multi_turn_sessions_keep_exactly_the_rows_keys_and_values(worker):
         assert sum(g.cached_tokens for turn in got[1:] for g in turn) > 0
 
 
+def test_one_adapter_through_the_stacked_path_draws_its_own_tokens(worker, monkeypatch):
+    """TINKERLESS_GROUPED_LORA_SINGLE=1: a one-policy block replays the stacked (grouped shrink) graph, same tokens."""
+    def call():
+        return worker.engine.generate(PROMPTS[:8], SETTINGS[2], policy="pb", seed=6)
+
+    want = run(worker, call, 1)
+    monkeypatch.setenv("TINKERLESS_GROUPED_LORA_SINGLE", "1")
+    got = run(worker, call, 4, pooled=True)
+    assert_same(got, want, tolerance=1e-4)
+    assert any(adapter == "mixed:pb" for adapter, _, _ in last_decoder[0]._graphs)
+
+
 def test_top_logprobs_come_from_the_chunks_as_from_single_steps(worker):
     sampling = SamplingParams(max_tokens=11, temperature=0.9, top_p=0.95)
     want = run(worker, lambda: worker.engine.generate(PROMPTS[:6], sampling, policy="pb", seed=4, top_logprobs=3), 1)

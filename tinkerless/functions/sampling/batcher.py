@@ -47,7 +47,7 @@ from tinkerless.functions.sampling.blocks import _assemble, _Block, _draw_block,
 from tinkerless.functions.sampling.device_decode import default_steps, run_chunk
 from tinkerless.functions.sampling.graphed_decode import PooledCache
 from tinkerless.functions.sampling.kv_cache import KVSession, growing_cache, length_buckets, row_layers, stack_left_padded
-from tinkerless.functions.sampling.multi_lora import StackedAdapters
+from tinkerless.functions.sampling.multi_lora import StackedAdapters, grouped_single
 from tinkerless.functions.sampling.slicing import join_due, slice_due, yield_slice
 from tinkerless.wire.messages import SamplingParams
 
@@ -289,7 +289,8 @@ class Batcher:
             return None
         adapters = {self.engine.adapter_name(policy) for policy in set(policies)}
         logits, mixed, first = None, None, policies[0]
-        if len(adapters) > 1:  # several adapters: a graph of them stacked, where `multi_lora` can stack them
+        if len(adapters) > 1 or (grouped_single() and BASE_ADAPTER not in adapters):
+            # several adapters (or one, opted in): a graph of them stacked, where `multi_lora` can stack them
             names = [self.engine.adapter_name(policy) for policy in policies]
             multi = self.stacked.prepare(self.engine.model, names)
             mixed = (multi, names) if multi is not None else None

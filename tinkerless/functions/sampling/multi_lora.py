@@ -208,6 +208,13 @@ def enabled() -> bool:
     return os.environ.get("TINKERLESS_GROUPED_LORA", "1").strip() != "0"
 
 
+def grouped_single() -> bool:
+    """TINKERLESS_GROUPED_LORA_SINGLE=1: graphed blocks of one adapter also replay the stacked path (one shrink
+    for q/k/v and one for gate/up) instead of `lora_inference`'s per-projection matmuls; off until a GPU run
+    (bench/gpu_shapes_decode.py's `decode_speed`) shows which is faster."""
+    return os.environ.get("TINKERLESS_GROUPED_LORA_SINGLE", "0").strip() == "1"
+
+
 def covers(model: nn.Module, adapters: tuple[str, ...]) -> bool:
     """Whether every LoRA layer adapted by one of `adapters` is one MultiLoRA computes (a peft LoRA `Linear` over
     a plain `nn.Linear`, plain LoRA: no DoRA or other variant, no bias on A/B); else peft's path must serve them."""
