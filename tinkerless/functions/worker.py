@@ -203,9 +203,26 @@ class Worker:
                 )
             if expected is not None:  # every value from the caller, before it reaches the model
                 validate(request, vocab_size=self.vocab_size)
+                self._check_images_fit(request)
             return encode_message(getattr(self, method)(request))
         except Exception as exc:  # every failure becomes a structured reply, never a dropped connection
             return encode_message(error_reply(exc))
+
+    def _check_images_fit(self, request: Any) -> None:
+        """Processed images only for a vision-language model, and only as many features as the datum has image
+        tokens (else the merge fails deep in the model)."""
+        data = [d for d in getattr(request, "data", None) or [] if getattr(d, "images", None)]
+        if data and self.vision is None:
+            raise UserError(f"model {self.model_name!r} takes no images: a datum of this request holds some",
+                            hint="use a vision-language model (docs/vision.md), or send datums without images")
+        for i, datum in enumerate(data):
+            slots = int((datum.tokens == self.vision.processor.image_token_id).sum())
+            wanted = sum(image.num_tokens for image in datum.images)
+            if slots != wanted:
+                raise UserError(f"data[{i}] has {slots} image tokens for images of {wanted} tokens",
+                                hint="send each datum with the images its tokens were rendered with (an episode's)")
+            for image in datum.images:
+                self.vision.processor.check_input(image, f"data[{i}].images")
 
     # ---- policies ------------------------------------------------------------
     def info(self, _request: Any = None) -> dict:

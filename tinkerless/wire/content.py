@@ -96,15 +96,17 @@ def to_parts(content: Any, where: str = "content") -> list[TextPart | ImagePart]
     if not isinstance(content, (list, tuple)):
         _fail(where, f"must be a string or a list of content parts, got {type(content).__name__}",
               "send text, or a list of {'type': 'text'|'image_url'|'image', ...} parts")
+    # Counted before any image is decoded: a thousand images cost nothing to refuse.
+    images = sum(1 for item in content if not isinstance(item, (str, TextPart)) and not (
+        isinstance(item, dict) and item.get("type") == "text"))
+    if images > MAX_IMAGES_PER_MESSAGE:
+        _fail(where, f"holds {images} images, more than {MAX_IMAGES_PER_MESSAGE} in one message",
+              f"send at most {MAX_IMAGES_PER_MESSAGE} images per message")
     if len(content) > 4 * MAX_IMAGES_PER_MESSAGE + 256:
         _fail(where, f"has {len(content)} parts", "send fewer, larger text parts")
     parts: list[TextPart | ImagePart] = []
     for i, item in enumerate(content):
         parts.append(_part(item, f"{where}[{i}]"))
-    images = sum(isinstance(p, ImagePart) for p in parts)
-    if images > MAX_IMAGES_PER_MESSAGE:
-        _fail(where, f"holds {images} images, more than {MAX_IMAGES_PER_MESSAGE} in one message",
-              f"send at most {MAX_IMAGES_PER_MESSAGE} images per message")
     return parts
 
 
@@ -331,14 +333,20 @@ def text_of(content: Any) -> str:
     return "".join(p.text for p in content if isinstance(p, TextPart)) if isinstance(content, list) else str(content)
 
 
-def transcript_for_disk(transcript: list[dict]) -> list[dict]:
-    """A transcript whose images are references by hash (episodes.jsonl never inlines an image's bytes)."""
-    out = []
-    for message in transcript:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            message = {**message, "content": [
-                p.reference() if isinstance(p, ImagePart) else {"type": "text", "text": p.text} if isinstance(p, TextPart) else p
-                for p in content]}
-        out.append(message)
-    return out
+def for_disk(value: Any, depth: int = 0) -> Any:
+    """`value` (a transcript, a task) with every image a reference by hash: episodes.jsonl never inlines an image's
+    bytes (an `ImagePart`, or an image array a task carries, becomes {"type": "image", "sha256", ...})."""
+    if depth > 64:
+        return value
+    if isinstance(value, ImagePart):
+        return value.reference()
+    if isinstance(value, TextPart):
+        return {"type": "text", "text": value.text}
+    if isinstance(value, np.ndarray) and value.ndim >= 2 and value.size > 256:
+        return {"type": "image_array", "sha256": hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest(),
+                "shape": list(value.shape), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {k: for_disk(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [for_disk(v, depth + 1) for v in value]
+    return value

@@ -80,3 +80,20 @@ def position_ids(model: Any, input_ids: torch.Tensor, rows_images: list[list[Vis
     grid = torch.tensor(grids, device=input_ids.device)
     positions, _ = inner.get_rope_index(input_ids, types, image_grid_thw=grid, attention_mask=attention_mask)
     return positions
+
+
+def placeholder_ids(model: Any) -> list[int]:
+    """Token ids that stand for image (and video) features: never sampled, so that a sampled turn cannot open an
+    image slot. The sampler draws from, and the update scores under, the same distribution with them masked."""
+    config = unwrap(model).config
+    return sorted({int(i) for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+                   if i is not None})
+
+
+def without_placeholders(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """`logits` with the placeholder ids' entries at -inf (a copy: the model's output is left as it is)."""
+    if not ids:
+        return logits
+    logits = logits.clone()
+    logits[..., ids] = float("-inf")
+    return logits

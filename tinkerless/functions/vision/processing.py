@@ -59,6 +59,26 @@ class VisionProcessor:
         self._cache[key] = processed
         return processed
 
+    def check_input(self, image: VisionInput, where: str) -> None:
+        """A processed image sent by a client (a datum's) must be what this model's processor gives: the shape,
+        grid and token count its tower takes, else the tower fails deep inside (a 500)."""
+        pixels = image.pixel_values
+        if self.family == "qwen":
+            merge = int(self.config.vision_config.spatial_merge_size)
+            patch = int(self.config.vision_config.patch_size)
+            temporal = int(self.config.vision_config.temporal_patch_size)
+            t, h, w = image.grid_thw if len(image.grid_thw) == 3 else (0, 0, 0)
+            ok = (pixels.ndim == 2 and pixels.shape == (t * h * w, 3 * temporal * patch * patch)
+                  and h % merge == 0 and w % merge == 0 and image.num_tokens == t * h * w // (merge * merge))
+        else:
+            size = int(self.config.vision_config.image_size)
+            expected = (size // int(self.config.vision_config.patch_size)) ** 2
+            ok = pixels.shape == (3, size, size) and not image.grid_thw and image.num_tokens in (expected, expected + 1)
+        if not ok:
+            raise UserError(f"{where}: a processed image of shape {pixels.shape}, grid {image.grid_thw} and "
+                            f"{image.num_tokens} tokens is not what this model's processor gives",
+                            hint="send the images of the episode the datum came from, unchanged")
+
     def expand(self, tokens: list[int], images: list[VisionInput]) -> list[int]:
         """Each image's single placeholder token repeated to the image's token count, in order."""
         out: list[int] = []

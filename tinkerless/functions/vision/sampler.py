@@ -21,7 +21,8 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from tinkerless.errors import UserError
 from tinkerless.functions.sampling.engine import Generation, draw_rows, row_seed
-from tinkerless.functions.vision.inputs import encode_images, merged_embeddings, position_ids
+from tinkerless.functions.vision.inputs import (encode_images, merged_embeddings, placeholder_ids, position_ids,
+                                               without_placeholders)
 from tinkerless.wire.content import VisionInput
 from tinkerless.wire.messages import GREEDY_BELOW, SamplingParams
 
@@ -97,7 +98,8 @@ class VisionSampler:
             torch.arange(cached, len(tokens), device=device)[None]
         out = model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
-        logits = out.logits[:, -1].float()
+        banned = placeholder_ids(model)
+        logits = without_placeholders(out.logits[:, -1].float(), banned)
         n = len(rows)
         if n > 1:
             cache.batch_repeat_interleave(n)
@@ -130,7 +132,8 @@ class VisionSampler:
             next_ids = picks[:, None].to(device)
             position = (last_position + step).view(-1, 1, 1).expand(-1, n, 1) if full_positions is not None else \
                 (last_position + step).view(1, 1).expand(n, 1)
-            logits = model(input_ids=next_ids, position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1].float()
+            logits = model(input_ids=next_ids, position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = without_placeholders(logits.float(), banned)
         if session is not None and n == 1:
             covered = len(tokens) + len(drawn[0]) - 1  # the last drawn token was never fed back
             extra = cache.get_seq_length() - covered

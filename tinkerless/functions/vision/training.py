@@ -19,7 +19,8 @@ import torch
 from tinkerless.functions.losses import LossConfig
 from tinkerless.functions.training import picked_logits
 from tinkerless.functions.training.micro_batches import plan_micro_batches
-from tinkerless.functions.vision.inputs import encode_images, merged_embeddings, position_ids, unwrap
+from tinkerless.functions.vision.inputs import (encode_images, merged_embeddings, placeholder_ids, position_ids, unwrap,
+                                               without_placeholders)
 from tinkerless.wire.messages import Datum
 
 
@@ -42,6 +43,8 @@ def _logprobs(model, data: list[Datum], rows: list[int], pad_id: int, features: 
     targets = torch.arange(1, width, device=device)
     # No attention mask, as on the text path: rows are right-padded and attention is causal.
     logits = model(inputs_embeds=embeds, position_ids=positions, logits_to_keep=targets - 1, use_cache=False).logits
+    # The sampler never draws an image placeholder: score under that same distribution.
+    logits = without_placeholders(logits, placeholder_ids(model))
     picked, entropy = picked_logits.target_logprobs(logits, batch.input_ids[:, targets], with_entropy=True)
     logprobs = torch.zeros(batch.input_ids.shape, dtype=picked.dtype, device=device).index_copy(1, targets, picked)
     full_entropy = torch.zeros(batch.input_ids.shape, device=device)
