@@ -243,3 +243,61 @@ def test_a_forged_processed_image_is_a_4xx(vlm):
         assert type(reply).__name__ == "ErrorReply" and reply.category == "user", reply
     reply = _handle(vlm, "forward", ForwardRequest("p1", [Datum(good.tokens, good.mask, images=good.images * 2)]))
     assert type(reply).__name__ == "ErrorReply" and reply.category == "user"
+
+
+def test_the_memory_planner_counts_the_vision_tower(vlm):
+    from tinkerless.functions.memory_plan import ModelShape
+    from tinkerless.functions.vision.inputs import unwrap
+
+    shape = ModelShape.of(vlm.model_name)
+    model = unwrap(vlm.model)
+    real = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    tower = sum(p.numel() for n, p in model.named_parameters()
+                if "lora_" not in n and any(k in n for k in ("vision_tower", "visual", "multi_modal_projector")))
+    assert shape.vision_params > 0
+    assert 0.8 < shape.vision_params / tower < 1.2, (shape.vision_params, tower)
+    assert 0.8 < shape.params() / real < 1.2, (shape.params(), real)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_served_vlm_refuses_hostile_images_with_4xx_and_goes_on_serving(tmp_path):
+    """`tinkerless serve` on a tiny LLaVA: the issue's hostile images over HTTP, then the schema fuzz's draws on
+    every field of the image-carrying requests, then a real image rollout and a text sample still answer."""
+    from fuzz_cases import POLICY, _encode, fuzzed_server, still_serves
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    from schema_fuzz import field_paths, hostile_for, image_templates, replaced
+
+    from tinkerless.functions.vision.models import build_tiny_llava
+    from tinkerless.wire import decode_message
+    from tinkerless.wire.http import MSGPACK
+    from tinkerless.wire.messages import ErrorReply, RolloutResult
+
+    def post(path: str, body) -> object:
+        response = target.http.post(target.url + path.split("#")[0], content=_encode(body),
+                                    headers={**target.auth(), "Content-Type": MSGPACK})
+        reply = decode_message(response.content)
+        assert response.status_code < 500, (path, str(body)[:200], getattr(reply, "traceback", reply))
+        if response.status_code >= 400:
+            assert isinstance(reply, ErrorReply) and reply.category == "user", reply
+        return reply
+
+    with fuzzed_server(build_tiny_llava(tmp_path / "llava"), tmp_path / "storage") as target:
+        for name, content in HOSTILE.items():
+            request = _rollout_with(content())
+            request.policy = POLICY
+            reply = post("/v1/call/rollout", request)
+            assert isinstance(reply, ErrorReply) and reply.category == "user", name
+        templates = image_templates()
+        cases = [(path, where, hint) for path, t in templates.items() for where, hint in field_paths(t)]
+
+        @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(data=st.data())
+        def one(data):
+            path, where, hint = data.draw(st.sampled_from(cases))
+            post(path, replaced(templates[path], where, data.draw(hostile_for(hint))))
+
+        one()
+        result = post("/v1/call/rollout", templates["/v1/call/rollout#images"])
+        assert isinstance(result, RolloutResult) and all(e.status == "ok" and e.images for e in result.episodes)
+        still_serves(target)
