@@ -25,8 +25,7 @@ _MARK_A, _MARK_B = "\u2063vision-a\u2063", "\u2063vision-b\u2063"
 
 
 class VisionProcessor:
-    def __init__(self, model: Any, image_processor: Any):
-        config = model.config
+    def __init__(self, config: Any, image_processor: Any):
         self.config = config
         self.image_processor = image_processor
         self.family = "qwen" if config.model_type.startswith("qwen") else "llava"
@@ -96,6 +95,19 @@ class VisionProcessor:
             raise UserError("the chat template wrote fewer image placeholders than the messages hold images",
                             hint="use a chat template that renders image content parts")
         return out
+
+
+def load_processor(model: str) -> VisionProcessor | None:
+    """The VisionProcessor of a model spec read from its files (a client rendering data), or None for a text model."""
+    from transformers import AutoConfig
+
+    from tinkerless.functions.models import resolve_model
+    from tinkerless.functions.vision.models import is_vision_model, load_image_processor
+
+    source = resolve_model(model)
+    if not is_vision_model(source):
+        return None
+    return VisionProcessor(AutoConfig.from_pretrained(source), load_image_processor(source))
 
 
 class VisionChat:

@@ -16,7 +16,7 @@ from tinkerless.wire.messages import RolloutRequest, RolloutResult
 class VisionRuntime:
     def __init__(self, worker: Any, image_processor: Any):
         self.worker = worker
-        self.processor = VisionProcessor(worker.base_model, image_processor)
+        self.processor = VisionProcessor(worker.base_model.config, image_processor)
         self.chat = VisionChat(worker.chat, self.processor)
         self.sampler = VisionSampler(lambda: worker.model, self.processor.image_token_id, worker.chat.eos_token_ids,
                                      worker._activate, self._weights_tag)
