@@ -11,7 +11,7 @@ The task cannot be solved without the image: each picture is a square of one of 
 background, at a random place and size, and the question is always the same ("What colour is the square?"), so
 chance is 0.25. The reward: 1.0 when the first colour word of the answer is the square's colour, 0.0 for another
 colour, 0.1 for an answer that names no colour.
-An SFT warm start on 16 labelled pictures teaches the answer's form (one colour word) and a first link from the
+An SFT warm start (10 steps of 16 labelled pictures) teaches the answer's form (one colour word) and a first link from the
 random tower's features to the words; RL then lifts the reward to >= 0.9 (BENCHMARKS.md has the curve).
 """
 
@@ -33,7 +33,7 @@ def picture(rng, colour: str) -> np.ndarray:
     """A 32 x 32 noisy gray picture with a square of `colour` at a random place and size (`rng`: a random.Random)."""
     noise = np.random.default_rng(rng.getrandbits(32)).integers(-12, 13, size=(32, 32, 3))
     image = (128 + noise).astype(np.uint8)
-    side = rng.randint(10, 22)
+    side = rng.randint(14, 24)
     top, left = rng.randint(0, 32 - side), rng.randint(0, 32 - side)
     image[top : top + side, left : left + side] = COLOURS[colour]
     return image
@@ -68,20 +68,20 @@ def demonstrations(count: int, seed: int) -> list[dict]:
 
 
 sft_config = tinkerless.SFTConfig(
-    name="vision-colours-sft", model="smollm2-llava", steps=4, batch_size=8, learning_rate=2e-3,
-    lora_vision="connector", eval_fraction=0.0, checkpoint_every=4,
+    name="vision-colours-sft", model="smollm2-llava", steps=10, batch_size=16, learning_rate=2e-3,
+    lora_vision="connector", eval_fraction=0.0, checkpoint_every=10,
 )
 
 config = tinkerless.TrainConfig(
     name="vision-colours", model="smollm2-llava", reward=names_the_colour, tasks=make_task,
-    steps=12, batch_size=8, group_size=4, max_tokens=6, temperature=0.8, learning_rate=1e-3,
-    lora_vision="connector", checkpoint_every=12, seed=3,
+    steps=16, batch_size=8, group_size=8, max_tokens=4, temperature=1.0, learning_rate=1e-3,
+    lora_vision="connector", checkpoint_every=16, seed=3,
 )
 
 
 def main(out: str | None = None) -> dict:
     started = time.perf_counter()
-    warm = tinkerless.sft(sft_config.replace(data=demonstrations(32, seed=config.seed), seed=config.seed))
+    warm = tinkerless.sft(sft_config.replace(data=demonstrations(160, seed=config.seed), seed=config.seed))
     sft_s = time.perf_counter() - started
     rl = tinkerless.train(config.replace(init_from=f"{warm.run_id}@latest"))
     rewards = [r["reward_mean"] for r in rl.metrics]

@@ -300,4 +300,26 @@ def test_a_served_vlm_refuses_hostile_images_with_4xx_and_goes_on_serving(tmp_pa
         one()
         result = post("/v1/call/rollout", templates["/v1/call/rollout#images"])
         assert isinstance(result, RolloutResult) and all(e.status == "ok" and e.images for e in result.episodes)
+        _openai_route_answers_with_images(target)
         still_serves(target)
+
+
+def _openai_route_answers_with_images(target) -> None:
+    """/v1/chat/completions with an image_url part answers (the base model, greedy, with log-probs); a URL to
+    fetch, a decompression bomb or a truncated image is a 400 naming the fault."""
+    models = target.http.get(f"{target.url}/v1/models", headers=target.auth()).json()["data"]
+    model = models[0]["id"]
+    picture = data_url(png(37, 23, seed=4))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                             {"type": "image_url", "image_url": {"url": picture}}]}]
+    body = {"model": model, "messages": messages, "max_tokens": 5, "temperature": 0, "logprobs": True}
+    reply = target.http.post(f"{target.url}/v1/chat/completions", json=body, headers=target.auth())
+    assert reply.status_code == 200, reply.text
+    tokens = [t["token"] for t in reply.json()["choices"][0]["logprobs"]["content"]]
+    assert len(tokens) >= 1
+    for url, word in (("http://127.0.0.1:1/x.png", "URL"), (data_url(_bomb_png(20_000, 20_000)), "pixels"),
+                      (data_url(png()[:-40]), "truncated")):
+        bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+        refused = target.http.post(f"{target.url}/v1/chat/completions", headers=target.auth(),
+                                   json={"model": model, "messages": bad, "max_tokens": 2})
+        assert refused.status_code == 400 and word in refused.json()["error"]["message"], refused.text
