@@ -1,0 +1,158 @@
+"""Whole vision-language runs on a tiny random LLaVA-style model: a run killed with SIGKILL and resumed ends with
+the adapter of an uninterrupted one, and its export loads in plain transformers + peft and samples the worker's
+greedy tokens for an image prompt."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+STEPS = 4
+CLI = [sys.executable, "-m", "tinkerless.sdk.cli.commands"]
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> str:
+    from tinkerless.functions.vision.models import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("vlm") / "llava", initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def example(llava, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("example") / "see.py"
+    path.write_text(textwrap.dedent(f"""
+        import time
+        import numpy as np
+        import tinkerless
+
+        def task(rng):
+            shade = rng.randint(0, 255)
+            return {{"prompt": "how bright?", "images": [np.full((20, 24, 3), shade, np.uint8)], "shade": shade}}
+
+        @tinkerless.reward
+        def bright(completion, task):
+            time.sleep(0.05)  # keeps each step long enough to be killed inside it
+            return sum(c in "aeiou" for c in completion) / max(len(completion), 1) * (task["shade"] / 255)
+
+        config = tinkerless.TrainConfig(
+            name="see", model={llava!r}, reward=bright, tasks=task, steps={STEPS}, batch_size=2, group_size=4,
+            max_tokens=6, temperature=1.0, learning_rate=5e-2, checkpoint_every=1, keep_checkpoints=None, seed=7,
+            lora_vision="connector",
+        )
+        """))
+    return path
+
+
+def _train(example: Path, storage: Path, *extra: str, wait: bool = True) -> subprocess.Popen:
+    cmd = [*CLI, "train", str(example), "--storage", str(storage), "--run-id", "r", "--no-progress", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # same thread count in every run: same float sums
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if wait:
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out
+    return proc
+
+
+def _latest(storage: Path) -> int:
+    try:
+        return json.loads((storage / "runs/r/checkpoints/latest").read_text())["step"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return 0
+
+
+def _adapter(storage: Path, step: int = STEPS) -> dict:
+    data = (storage / "runs/r/checkpoints" / f"step-{step}" / "adapter/adapter_model.safetensors").read_bytes()
+    return load_safetensors(data)
+
+
+@pytest.fixture(scope="module")
+def straight(example, tmp_path_factory) -> Path:
+    storage = tmp_path_factory.mktemp("straight")
+    _train(example, storage)
+    return storage
+
+
+def test_a_killed_and_resumed_vlm_run_ends_with_the_uninterrupted_adapter(example, straight, tmp_path):
+    killed = tmp_path / "killed"
+    proc = _train(example, killed, wait=False)
+    deadline = time.monotonic() + 300
+    while _latest(killed) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert 2 <= _latest(killed) < STEPS
+    _train(example, killed, "--resume")
+    expected, actual = _adapter(straight), _adapter(killed)
+    assert expected.keys() == actual.keys() and any("multi_modal_projector" in k for k in expected)
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), f"{name} differs after resume"
+    assert not torch.equal(_adapter(straight, 1)[next(iter(expected))], expected[next(iter(expected))])
+    # episodes.jsonl refers to the images by hash, never their pixels.
+    lines = (straight / "runs/r/episodes.jsonl").read_text().splitlines()
+    assert lines and all(len(line) < 20_000 for line in lines)
+    assert all("sha256" in json.dumps(json.loads(line)["task"]) for line in lines)
+
+
+def _prompt(llava: str):
+    """An image prompt rendered by plain transformers: the template's one <image>, expanded as the model's own
+    processor does (LlavaProcessor with the saved image processor and tokenizer)."""
+    from transformers import AutoTokenizer, LlavaProcessor
+
+    from tinkerless.functions.vision.models import load_image_processor
+
+    tokenizer = AutoTokenizer.from_pretrained(llava)
+    image = np.full((20, 24, 3), 200, np.uint8)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how bright?"}]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    processor = LlavaProcessor(image_processor=load_image_processor(llava), tokenizer=tokenizer, patch_size=8,
+                               vision_feature_select_strategy="full", chat_template=tokenizer.chat_template)
+    from PIL import Image
+
+    inputs = processor(images=[Image.fromarray(image)], text=[text], return_tensors="pt")
+    return image, inputs
+
+
+def test_export_loads_in_plain_transformers_and_peft_and_samples_the_workers_greedy_tokens(llava, straight, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    import tinkerless
+    from tinkerless.sdk.backends.base import LocalBackend
+    from tinkerless.sdk.evaluation.evaluate import load_checkpoint
+    from tinkerless.functions.vision.sampler import VisionPrompt
+    from tinkerless.wire.content import image_part
+    from tinkerless.wire.messages import SamplingParams
+
+    image, inputs = _prompt(llava)
+    backend = LocalBackend(llava)
+    assert load_checkpoint(backend, tinkerless.TrainConfig(model=llava, storage=str(straight)), "r", STEPS) == STEPS
+    worker = backend.worker
+    tokens, parts = worker.vision.chat.prompt([{"role": "user", "content": [image_part(image), "how bright?"]}])
+    assert tokens == inputs["input_ids"][0].tolist()  # the worker renders as the model's own processor does
+    greedy = worker.vision.sampler.generate(
+        [VisionPrompt(tokens, [worker.vision.processor.process(p) for p in parts])],
+        SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[]), policy="default", seed=0)[0].tokens
+
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    tinkerless.export("r@latest", adapter_dir, storage=str(straight))
+    tinkerless.export("r@latest", merged_dir, storage=str(straight), merged=True)
+    for model in (PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(llava), adapter_dir),
+                  AutoModelForImageTextToText.from_pretrained(merged_dir)):
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                 pad_token_id=worker.tokenizer.pad_token_id, min_new_tokens=8)
+        assert out[0, inputs["input_ids"].shape[1]:].tolist() == greedy
