@@ -16,8 +16,8 @@ from PIL import Image
 from tinkerless.errors import InvalidRequest
 from tinkerless.functions.losses import LossConfig
 from tinkerless.wire.content import ImagePart, TextPart, VisionInput, for_disk, image_part, to_parts
-from tinkerless.wire.messages import (CreatePolicyRequest, Datum, EpisodeLimits, ForwardRequest, RolloutRequest,
-                                      SamplingParams, UpdateRequest)
+from tinkerless.wire.messages import (CreatePolicyRequest, Datum, EpisodeLimits, ForwardBackwardRequest, ForwardRequest,
+                                      OptimStepRequest, RolloutRequest, SamplingParams, UpdateRequest)
 from tinkerless.wire.validate import validate
 
 FAMILIES = ("llava", "qwen")
@@ -323,3 +323,20 @@ def _openai_route_answers_with_images(target) -> None:
         refused = target.http.post(f"{target.url}/v1/chat/completions", headers=target.auth(),
                                    json={"model": model, "messages": bad, "max_tokens": 2})
         assert refused.status_code == 400 and word in refused.json()["error"]["message"], refused.text
+
+
+def test_a_datum_whose_targets_include_image_tokens_scores_them_0_and_trains_finite(vlm):
+    """Tinker-style datums score every position: image tokens report log-prob 0 and never train (mask or not)."""
+    good = _handle(vlm, "rollout", RolloutRequest("p1", [{"prompt": "x", "images": [image_part(png(seed=3))]}], 2,
+                                                  SamplingParams(max_tokens=3), EpisodeLimits(), 0)).episodes
+    data = [Datum(e.tokens, np.ones_like(e.mask), advantages=np.ones_like(e.mask), images=e.images) for e in good]
+    data[0].mask[0] = 0.0
+    forward = _handle(vlm, "forward", ForwardRequest("p1", data))
+    at_images = good[0].tokens == vlm.vision.processor.image_token_id
+    assert np.isfinite(forward.logprobs[0]).all() and (forward.logprobs[0][at_images] == 0).all()
+    update = _handle(vlm, "forward_backward", ForwardBackwardRequest(
+        "p1", data, LossConfig(name="cross_entropy", normalization="token")))
+    assert all(np.isfinite(v) for v in update.metrics.values()), update.metrics
+    assert update.metrics["tokens"] == sum(int((d.mask > 0).sum() - (d.tokens == vlm.vision.processor.image_token_id).sum())
+                                           for d in data)
+    assert vlm.optim_step(OptimStepRequest("p1")).metrics["optim_step_skipped"] == 0.0

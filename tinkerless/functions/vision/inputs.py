@@ -91,9 +91,10 @@ def placeholder_ids(model: Any) -> list[int]:
 
 
 def without_placeholders(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
-    """`logits` with the placeholder ids' entries at -inf (a copy: the model's output is left as it is)."""
+    """`logits` with the placeholder ids' entries so low that their probability is exactly 0 (a copy: the model's
+    output is left as it is). Finite, not -inf: an entropy's p * log p must be 0 there, not NaN."""
     if not ids:
         return logits
     logits = logits.clone()
-    logits[..., ids] = float("-inf")
+    logits[..., ids] = -1e30
     return logits

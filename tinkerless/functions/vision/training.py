@@ -43,9 +43,13 @@ def _logprobs(model, data: list[Datum], rows: list[int], pad_id: int, features: 
     targets = torch.arange(1, width, device=device)
     # No attention mask, as on the text path: rows are right-padded and attention is causal.
     logits = model(inputs_embeds=embeds, position_ids=positions, logits_to_keep=targets - 1, use_cache=False).logits
-    # The sampler never draws an image placeholder: score under that same distribution.
-    logits = without_placeholders(logits, placeholder_ids(model))
+    # The sampler never draws an image placeholder: score under that same distribution. A placeholder itself is
+    # never a sampled token, so its (impossible) log-prob is reported as 0 and it never trains (`_trainable`).
+    banned = placeholder_ids(model)
+    logits = without_placeholders(logits, banned)
     picked, entropy = picked_logits.target_logprobs(logits, batch.input_ids[:, targets], with_entropy=True)
+    is_placeholder = torch.isin(batch.input_ids[:, targets], torch.tensor(banned, device=device))
+    picked = torch.where(is_placeholder, torch.zeros_like(picked), picked)
     logprobs = torch.zeros(batch.input_ids.shape, dtype=picked.dtype, device=device).index_copy(1, targets, picked)
     full_entropy = torch.zeros(batch.input_ids.shape, device=device)
     full_entropy[:, targets] = entropy
@@ -82,6 +86,7 @@ def forward_backward(model, data: list[Datum], config: LossConfig, pad_id: int, 
         features = shared if shared is not None else encode_images(model, [i for r in rows for i in (data[r].images or [])])
         batch, chunk, logprobs, entropy = _logprobs(model, data, rows, pad_id, features, image_token_id)
         mask = batch.field([d.mask for d in chunk])
+        mask = mask * ~torch.isin(batch.input_ids, torch.tensor(placeholder_ids(model), device=mask.device))  # never trained
         totals.add(share, logprobs, entropy, mask, chunk, batch.field)
         for row, index in enumerate(rows):
             all_logprobs[index] = logprobs[row, : batch.lengths[row]].detach().float().cpu().numpy()
