@@ -56,6 +56,7 @@ def _cmyk_jpeg() -> bytes:
 
 HOSTILE = {
     "truncated": lambda: [{"type": "image_url", "image_url": {"url": data_url(png()[:-30])}}],
+    "truncated end": lambda: [{"type": "image_url", "image_url": {"url": data_url(png(8, 8)[:-6])}}],
     "20,000 x 20,000": lambda: [{"type": "image_url", "image_url": {"url": data_url(_bomb_png(20_000, 20_000))}}],
     "1,000 images": lambda: [{"type": "image_url", "image_url": data_url(png(4, 4))}] * 1000,
     "NaN array": lambda: [{"type": "image", "image": np.full((8, 8, 3), np.nan, np.float32)}],
@@ -68,7 +69,7 @@ HOSTILE = {
     "array dtype": lambda: [{"type": "image", "image": np.zeros((4, 4), np.int64)}],
     "unknown part": lambda: [{"type": "audio", "audio": "x"}],
 }
-FAULT_WORDS = {"truncated": "truncated", "20,000 x 20,000": "pixels", "1,000 images": "images",
+FAULT_WORDS = {"truncated": "truncated", "truncated end": "truncated", "20,000 x 20,000": "pixels", "1,000 images": "images",
                "NaN array": "NaN", "wrong mode": "mode", "http URL": "URL", "60 MB base64": "MB",
                "not an image": "not a readable image", "wrong media type": "media_type", "array shape": "shape",
                "array dtype": "dtype", "unknown part": "type"}

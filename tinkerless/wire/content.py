@@ -279,7 +279,10 @@ def _open(part: ImagePart, where: str):
     if image.mode not in MODES:
         _fail(where, f"has mode {image.mode!r}, not one of {', '.join(MODES)}", "save it as an RGB or grayscale image")
     try:
-        image.load()  # a truncated file fails here (Pillow refuses truncated images by default)
+        # verify() reads every chunk to the end with its checksum (a PNG cut after its pixel data still decodes);
+        # it leaves the image unusable, so the pixels are loaded from a second opening.
+        Image.open(io.BytesIO(part.data), formats=list(FORMATS)).verify()
+        image.load()  # a truncated file fails here too (Pillow refuses truncated images by default)
     except Exception as exc:
         _fail(where, f"cannot be decoded ({type(exc).__name__}: {str(exc)[:80]}): the file is truncated or corrupt",
               "send the whole image file")
