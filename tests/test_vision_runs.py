@@ -156,3 +156,43 @@ def test_export_loads_in_plain_transformers_and_peft_and_samples_the_workers_gre
             out = model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None,
                                  pad_token_id=worker.tokenizer.pad_token_id, min_new_tokens=8)
         assert out[0, inputs["input_ids"].shape[1]:].tolist() == greedy
+
+
+def _image_task(rng) -> dict:
+    shade = rng.randint(0, 255)
+    return {"prompt": "how bright?", "images": [np.full((12, 16, 3), shade, np.uint8)], "shade": shade}
+
+
+def _brightness(completion: str, task: dict) -> float:
+    return sum(c in "aeiou" for c in completion) / max(len(completion), 1) * (task["shade"] / 255)
+
+
+@pytest.mark.filterwarnings("ignore:The .* function is executing locally:UserWarning")
+def test_a_vlm_run_through_modals_local_functions_equals_the_local_backend(llava, tmp_path):
+    """The Modal backend's Rollout / Forward / Update class bodies run through `.local()` (the fake of
+    tests/test_modal.py for Modal's network boundary): the same metrics and adapter as the local backend."""
+    pytest.importorskip("modal")
+    from test_modal import _LocalClasses
+
+    from tinkerless.cloud import modal_app
+    from tinkerless.cloud.modal_backend import ModalBackend
+    from tinkerless.cloud.modal_config import ModalConfig
+    from tinkerless.sdk.config import TrainConfig
+    from tinkerless.sdk.run.trainer import train
+
+    def config(storage: Path) -> TrainConfig:
+        return TrainConfig(name="modal-vlm", model=llava, reward=_brightness, tasks=_image_task, steps=2, batch_size=2,
+                           group_size=3, max_tokens=5, temperature=1.0, learning_rate=5e-2, checkpoint_every=2, seed=5,
+                           progress=False, storage=str(storage), run_id="r", lora_vision="connector")
+
+    expected = train(config(tmp_path / "local"), backend="local")
+    built = modal_app.build_app(ModalConfig())
+    fakes = {role: _LocalClasses(built.classes[role]) for role in ("rollout", "forward", "update")}
+    backend = ModalBackend(llava, fakes, ModalConfig(), state_dir=str(tmp_path / "volume"), volume="",
+                           engine="auto", micro_batch_size=16)
+    got = train(config(tmp_path / "modal"), backend=backend)
+    for key in ("reward_mean", "loss", "sampled_tokens", "grad_norm", "logprob_gap"):
+        assert [m.get(key) for m in got.metrics] == [m.get(key) for m in expected.metrics], key
+    adapter = "runs/r/checkpoints/step-2/adapter/adapter_model.safetensors"
+    assert (tmp_path / "modal" / adapter).read_bytes() == (tmp_path / "local" / adapter).read_bytes()
+    assert all(m["logprob_gap"] < 1e-4 for m in got.metrics if m.get("logprob_gap") is not None)
