@@ -32,7 +32,7 @@ from tinkerless.functions.training.policy_state import (ADAPTER_CONFIG, canonica
                                                       parse_policy_state)
 from tinkerless.functions.precision import dtype_name, resolve_dtype
 from tinkerless.functions.models import resolve_model
-from tinkerless.wire.content import ImagePart
+from tinkerless.functions.vision.checks import check_images_fit, has_images
 from tinkerless.functions.threads import apply_threads, choose_threads
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.code import CodeBlob
@@ -203,26 +203,10 @@ class Worker:
                 )
             if expected is not None:  # every value from the caller, before it reaches the model
                 validate(request, vocab_size=self.vocab_size)
-                self._check_images_fit(request)
+                check_images_fit(self, request)  # processed images only for a VLM, and as its processor gives
             return encode_message(getattr(self, method)(request))
         except Exception as exc:  # every failure becomes a structured reply, never a dropped connection
             return encode_message(error_reply(exc))
-
-    def _check_images_fit(self, request: Any) -> None:
-        """Processed images only for a vision-language model, and only as many features as the datum has image
-        tokens (else the merge fails deep in the model)."""
-        data = [d for d in getattr(request, "data", None) or [] if getattr(d, "images", None)]
-        if data and self.vision is None:
-            raise UserError(f"model {self.model_name!r} takes no images: a datum of this request holds some",
-                            hint="use a vision-language model (docs/vision.md), or send datums without images")
-        for i, datum in enumerate(data):
-            slots = int((datum.tokens == self.vision.processor.image_token_id).sum())
-            wanted = sum(image.num_tokens for image in datum.images)
-            if slots != wanted:
-                raise UserError(f"data[{i}] has {slots} image tokens for images of {wanted} tokens",
-                                hint="send each datum with the images its tokens were rendered with (an episode's)")
-            for image in datum.images:
-                self.vision.processor.check_input(image, f"data[{i}].images")
 
     # ---- policies ------------------------------------------------------------
     def info(self, _request: Any = None) -> dict:
@@ -297,7 +281,7 @@ class Worker:
                 self._policy(request.policy)
             with self._hosted_code():
                 return self.vision.rollout(request, self._load_code)
-        if _has_images(request.tasks):
+        if has_images(request.tasks):
             raise UserError(f"model {self.model_name!r} takes no images: a task of this rollout holds one",
                             hint="use a vision-language model (docs/vision.md), or send text only")
         with self._hosted_code():
@@ -463,18 +447,3 @@ class Worker:
 
     def _optimizer_state_to_load(self, policy: Policy, state: dict) -> dict:
         return state
-
-
-def _has_images(value: Any, depth: int = 0) -> bool:
-    """Whether plain data (a rollout's tasks) holds an image anywhere: an image part, or an `images` list."""
-    if depth > 8:
-        return False
-    if isinstance(value, ImagePart):
-        return True
-    if isinstance(value, dict):
-        if value.get("type") in ("image_url", "image") or value.get("images"):
-            return True
-        return any(_has_images(v, depth + 1) for v in value.values())
-    if isinstance(value, list):
-        return any(_has_images(v, depth + 1) for v in value)
-    return False

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import io
 import math
@@ -77,7 +78,12 @@ class VisionInput:
     num_tokens: int
 
 
-def _fail(where: str, message: str, hint: str) -> None:
+_MAX_DEPTH = 32  # as `validate.MAX_DEPTH`: how deep a request's images are looked for
+_MAX_GRID = 1 << 16  # patches along one side of a processed image
+_MAX_IMAGE_TOKENS = 1 << 20
+
+
+def _fail(where: str, message: str, hint: str = "fix the image in the request (docs/vision.md)") -> None:
     raise InvalidRequest(f"{where} {message}", hint=hint)
 
 
@@ -353,3 +359,60 @@ def for_disk(value: Any, depth: int = 0) -> Any:
     if isinstance(value, (list, tuple)):
         return [for_disk(v, depth + 1) for v in value]
     return value
+
+
+# ---- a whole request's images ---------------------------------------------------------------
+
+
+def check_request_images(request: Any) -> None:
+    """Every image anywhere in a request (tasks, messages, env arguments) within the per-request limits and each
+    one readable under the limits of `content.check_image`; every processed image of a datum well formed."""
+    from tinkerless.wire import messages as m
+
+    found: list[ImagePart] = []
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            return
+        if isinstance(value, ImagePart):
+            found.append(value)
+            if len(found) > MAX_IMAGES_PER_REQUEST:
+                count_request_images(found, type(request).__name__)
+            check_image(value, path)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]", depth + 1)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}[{key!r}]", depth + 1)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and not isinstance(value, m.Datum):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name), f"{path}.{f.name}", depth + 1)
+
+    walk(request, type(request).__name__, 0)
+    count_request_images(found, type(request).__name__)
+    for i, datum in enumerate(getattr(request, "data", None) or []):
+        if isinstance(datum, m.Datum) and datum.images:
+            if len(datum.images) > MAX_IMAGES_PER_REQUEST:
+                _fail(f"{type(request).__name__}.data[{i}].images", f"holds {len(datum.images)} images, more than "
+                      f"{MAX_IMAGES_PER_REQUEST}")
+            for j, image in enumerate(datum.images):
+                _vision_input(image, f"{type(request).__name__}.data[{i}].images[{j}]")
+
+
+def _vision_input(image: Any, path: str) -> None:
+    pixels = image.pixel_values
+    if pixels.ndim < 2 or pixels.ndim > 4 or pixels.dtype.kind != "f" or pixels.size == 0:
+        _fail(f"{path}.pixel_values", f"must be a non-empty float array of 2 to 4 dimensions, got {pixels.dtype} {pixels.shape}",
+              "send the processor's pixel values as float32")
+    if pixels.size > MAX_IMAGE_PIXELS * 4:
+        _fail(f"{path}.pixel_values", f"holds {pixels.size} values, more than an image of {MAX_IMAGE_PIXELS} pixels",
+              "send smaller images")
+    if not np.isfinite(pixels).all():
+        _fail(f"{path}.pixel_values", "holds NaN or infinite values", "send the processor's own pixel values")
+    if len(image.grid_thw) not in (0, 3) or any(g < 1 or g > _MAX_GRID for g in image.grid_thw):
+        _fail(f"{path}.grid_thw", f"is {image.grid_thw!r}: three positive sizes (t, h, w), or none", "send the processor's grid")
+    if not 1 <= image.num_tokens <= _MAX_IMAGE_TOKENS:
+        _fail(f"{path}.num_tokens", f"is {image.num_tokens}, out of range [1, {_MAX_IMAGE_TOKENS}]")
+    if len(image.sha256) != 64 or any(c not in "0123456789abcdef" for c in image.sha256):
+        _fail(f"{path}.sha256", "must be 64 lowercase hex digits (the image file's sha256)")

@@ -23,8 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tinkerless.errors import InvalidRequest, TinkerlessError
-from tinkerless.wire.content import (MAX_IMAGE_PIXELS, MAX_IMAGES_PER_MESSAGE, MAX_IMAGES_PER_REQUEST, ImagePart,
-                                     check_image, count_request_images, image_part, to_parts)
+from tinkerless.wire.content import MAX_IMAGES_PER_MESSAGE, check_request_images, image_part, to_parts
 from tinkerless.storage.names import POLICY_NAME, RUN_ID, check_file_key, check_name
 
 MAX_DEPTH = 32  # nesting of plain data (tasks, metadata); real requests use a handful of levels
@@ -395,60 +394,6 @@ def _single_turn_tasks(request: Any) -> None:
                 image_part(image, f"{path}['images'][{j}]")
 
 
-def _images(request: Any) -> None:
-    """Every image anywhere in a request (tasks, messages, env arguments) within the per-request limits and each
-    one readable under the limits of `content.check_image`; every processed image of a datum well formed."""
-    from tinkerless.wire import messages as m
-
-    found: list[ImagePart] = []
-
-    def walk(value: Any, path: str, depth: int) -> None:
-        if depth > MAX_DEPTH:
-            return
-        if isinstance(value, ImagePart):
-            found.append(value)
-            if len(found) > MAX_IMAGES_PER_REQUEST:
-                count_request_images(found, type(request).__name__)
-            check_image(value, path)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(item, f"{path}[{i}]", depth + 1)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{path}[{key!r}]", depth + 1)
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and not isinstance(value, m.Datum):
-            for f in dataclasses.fields(value):
-                walk(getattr(value, f.name), f"{path}.{f.name}", depth + 1)
-
-    walk(request, type(request).__name__, 0)
-    count_request_images(found, type(request).__name__)
-    for i, datum in enumerate(getattr(request, "data", None) or []):
-        if isinstance(datum, m.Datum) and datum.images:
-            if len(datum.images) > MAX_IMAGES_PER_REQUEST:
-                _fail(f"{type(request).__name__}.data[{i}].images", f"holds {len(datum.images)} images, more than "
-                      f"{MAX_IMAGES_PER_REQUEST}")
-            for j, image in enumerate(datum.images):
-                _vision_input(image, f"{type(request).__name__}.data[{i}].images[{j}]")
-
-
-def _vision_input(image: Any, path: str) -> None:
-    pixels = image.pixel_values
-    if pixels.ndim < 2 or pixels.ndim > 4 or pixels.dtype.kind != "f" or pixels.size == 0:
-        _fail(f"{path}.pixel_values", f"must be a non-empty float array of 2 to 4 dimensions, got {pixels.dtype} {pixels.shape}",
-              "send the processor's pixel values as float32")
-    if pixels.size > MAX_IMAGE_PIXELS * 4:
-        _fail(f"{path}.pixel_values", f"holds {pixels.size} values, more than an image of {MAX_IMAGE_PIXELS} pixels",
-              "send smaller images")
-    if not np.isfinite(pixels).all():
-        _fail(f"{path}.pixel_values", "holds NaN or infinite values", "send the processor's own pixel values")
-    if len(image.grid_thw) not in (0, 3) or any(g < 1 or g > MAX_COUNT for g in image.grid_thw):
-        _fail(f"{path}.grid_thw", f"is {image.grid_thw!r}: three positive sizes (t, h, w), or none", "send the processor's grid")
-    if not 1 <= image.num_tokens <= MAX_TOKENS:
-        _fail(f"{path}.num_tokens", f"is {image.num_tokens}, out of range [1, {MAX_TOKENS}]")
-    if len(image.sha256) != 64 or any(c not in "0123456789abcdef" for c in image.sha256):
-        _fail(f"{path}.sha256", "must be 64 lowercase hex digits (the image file's sha256)")
-
-
 def validate(request: Any, *, vocab_size: int | None = None) -> Any:
     """Check a decoded request (any tinkerless wire dataclass); InvalidRequest names the first bad field."""
     if not _RULES:
@@ -458,7 +403,7 @@ def validate(request: Any, *, vocab_size: int | None = None) -> Any:
     _check_dataclass(request, type(request).__name__, 0)
     _datums(request)
     _single_turn_tasks(request)
-    _images(request)
+    check_request_images(request)
     if vocab_size is not None:
         _token_ids(request, vocab_size)
     return request
