@@ -341,3 +341,45 @@ def test_a_datum_whose_targets_include_image_tokens_scores_them_0_and_trains_fin
     assert update.metrics["tokens"] == sum(int((d.mask > 0).sum() - (d.tokens == vlm.vision.processor.image_token_id).sum())
                                            for d in data)
     assert vlm.optim_step(OptimStepRequest("p1")).metrics["optim_step_skipped"] == 0.0
+
+
+def _looks_and_answers():
+    import tinkerless
+
+    @tinkerless.agent
+    async def looks(client, task):
+        """Shows the task's picture, then sends the reply back with a second picture: two calls, one sequence."""
+        first = [{"role": "user", "content": [{"type": "text", "text": "what colour?"},
+                                              {"type": "image_url", "image_url": {"url": task["picture"]}}]}]
+        r1 = await client.chat.completions.create(model="policy", messages=first, max_tokens=3)
+        second = first + [r1.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "user", "content": [{"type": "image_url", "image_url": {"url": task["picture"]}},
+                                                       {"type": "text", "text": "and again?"}]}]
+        r2 = await client.chat.completions.create(model="policy", messages=second, max_tokens=3)
+        return float(len(r2.choices[0].message.content or "") % 3) / 2
+
+    return looks
+
+
+def test_agent_functions_whose_openai_calls_carry_images_train_on_them(vlm):
+    """An @tinkerless.agent's calls with image_url parts: sampled with the images, recorded with them, and the
+    update's log-probs equal the sampler's; an agent sending an http:// image gets a 400 and its episode fails."""
+    from tinkerless.wire import pack_code
+
+    tasks = [{"picture": data_url(png(30, 20, seed=s))} for s in range(2)]
+    request = RolloutRequest("p1", tasks, 2, SamplingParams(max_tokens=3), EpisodeLimits(max_turns=4), seed=2,
+                             agent=pack_code(_looks_and_answers()))
+    result = _handle(vlm, "rollout", request)
+    assert all(e.status == "ok" and e.num_turns == 2 and not e.extra_sequences for e in result.episodes), \
+        [e.traceback for e in result.episodes]
+    image_token = vlm.vision.processor.image_token_id
+    for e in result.episodes:
+        assert len(e.images) == 2 and (e.tokens == image_token).sum() == sum(i.num_tokens for i in e.images)
+        assert (e.mask[e.tokens == image_token] == 0).all() and e.mask.sum() > 0
+    data = [Datum(e.tokens, e.mask, sampler_logprobs=e.sampler_logprobs, advantages=e.mask, images=e.images)
+            for e in result.episodes]
+    assert _gap(_handle(vlm, "forward", ForwardRequest("p1", data)), result.episodes) < 1e-4
+    hostile = RolloutRequest("p1", [{"picture": "http://169.254.169.254/x.png"}], 1, SamplingParams(max_tokens=2),
+                             EpisodeLimits(max_turns=4), seed=2, agent=pack_code(_looks_and_answers()))
+    (failed,) = _handle(vlm, "rollout", hostile).episodes
+    assert failed.status == "error" and "400" in failed.error, failed.error

@@ -281,13 +281,13 @@ class Worker:
                 self._policy(request.policy)
             with self._hosted_code():
                 return self.vision.rollout(request, self._load_code)
-        if has_images(request.tasks):
+        if self.vision is None and has_images(request.tasks):
             raise UserError(f"model {self.model_name!r} takes no images: a task of this rollout holds one",
                             hint="use a vision-language model (docs/vision.md), or send text only")
         with self._hosted_code():
             return rollout_requests.rollout(
                 request, engine=self.engine, chat=self.chat, tokenizer=self.tokenizer, hosts=self.user_code_hosts,
-                code_cache=self._code_cache, check_policy=self._policy,
+                code_cache=self._code_cache, check_policy=self._policy, vision=self.vision,
             )
 
     def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:

@@ -106,6 +106,7 @@ class TrainingSequence:
     tokens: np.ndarray  # int32 [N]
     mask: np.ndarray  # float32 [N]: 1 on sampled tokens
     sampler_logprobs: np.ndarray  # float32 [N]: 0 where mask is 0
+    images: list[VisionInput] = field(default_factory=list)  # processed images, in the order of their tokens
 
 
 @dataclass
@@ -131,7 +132,7 @@ class Episode:
 
     def sequences(self) -> list[TrainingSequence]:
         """Every trained sequence of the episode: the first (tokens/mask/sampler_logprobs), then the extra ones."""
-        first = TrainingSequence(self.tokens, self.mask, self.sampler_logprobs)
+        first = TrainingSequence(self.tokens, self.mask, self.sampler_logprobs, self.images)
         return [first, *self.extra_sequences]
 
     def sampled_tokens(self) -> int:

@@ -47,7 +47,7 @@ def datums(episodes: list[Episode], advantage_config: AdvantageConfig) -> list[D
     data = []
     for episode, advantage in zip(episodes, advantages):
         # An agent that rewrote its context has several sequences: each is trained with the episode's advantage.
-        for index, sequence in enumerate(episode.sequences()):
+        for sequence in episode.sequences():
             if advantage == 0.0 or sequence.mask.sum() == 0:
                 continue  # contributes no gradient
             data.append(
@@ -56,8 +56,7 @@ def datums(episodes: list[Episode], advantage_config: AdvantageConfig) -> list[D
                     mask=sequence.mask,
                     advantages=(sequence.mask * advantage).astype(np.float32),
                     sampler_logprobs=sequence.sampler_logprobs,
-                    # The episode's images belong to its first sequence (a VLM episode has no other).
-                    images=list(episode.images) if index == 0 and episode.images else None,
+                    images=list(sequence.images) or None,  # a vision-language episode's images, in token order
                 )
             )
     return data
