@@ -74,8 +74,8 @@ sft_config = tinkerless.SFTConfig(
 
 config = tinkerless.TrainConfig(
     name="vision-colours", model="smollm2-llava", reward=names_the_colour, tasks=make_task,
-    steps=16, batch_size=8, group_size=8, max_tokens=4, temperature=1.0, learning_rate=1e-3,
-    lora_vision="connector", checkpoint_every=16, seed=3,
+    steps=20, batch_size=8, group_size=8, max_tokens=4, temperature=1.0, learning_rate=3e-4,
+    lora_vision="connector", checkpoint_every=20, seed=3,
 )
 
 

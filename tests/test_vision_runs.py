@@ -196,3 +196,40 @@ def test_a_vlm_run_through_modals_local_functions_equals_the_local_backend(llava
     assert all(m["logprob_gap"] < 1e-4 for m in got.metrics if m.get("logprob_gap") is not None)
     for name, tensor in _adapter(straight).items():
         assert torch.equal(tensor, _adapter(tmp_path / "modal")[name]), name
+
+
+def test_tinkerless_sft_on_chat_jsonl_with_image_parts(llava, tmp_path):
+    """`tinkerless sft` on chat JSONL whose user turns hold data-URL images: the run trains (its NLL falls), and
+    the image tokens weigh 0 in every rendered example."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from tinkerless.functions.vision.processing import load_processor
+    from tinkerless.functions.rollout.chat import ChatFormat
+    from tinkerless.sdk.cli.commands import main
+    from tinkerless.sdk.sft.data import ChatRenderer, to_messages
+    from transformers import AutoTokenizer
+
+    def url(shade: int) -> str:
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((16, 16, 3), shade, np.uint8)).save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    records = [{"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url(shade)}},
+                                     {"type": "text", "text": "dark or light?"}]},
+        {"role": "assistant", "content": "dark" if shade < 128 else "light"}]} for shade in (10, 40, 200, 240)]
+    data = tmp_path / "images.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert main(["sft", str(data), "--model", llava, "--steps", "4", "--batch-size", "4", "--learning-rate", "2e-2",
+                 "--storage", str(tmp_path), "--run-id", "s", "--no-progress", "--lora-vision", "connector",
+                 "--eval-every", "4"]) in (0, None)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "runs/s/metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0], losses
+    tokenizer = AutoTokenizer.from_pretrained(llava)
+    renderer = ChatRenderer(tokenizer, ChatFormat(tokenizer).end_of_turn_id, load_processor(llava))
+    example = renderer.render(to_messages(records[0], "line 1"), "line 1", 1)
+    at_images = example.tokens == renderer.vision.image_token_id
+    assert at_images.sum() == 16 and (example.weights[at_images] == 0).all() and example.weights.sum() > 0

@@ -12,6 +12,7 @@ The tower runs once per distinct image per call (`inputs.encode_images`).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -51,6 +52,9 @@ class VisionSampler:
         self.get_model, self.image_token_id = get_model, image_token_id
         self.eos_token_ids, self.activate, self.weights_tag = eos_token_ids, activate, weights_tag
         self.images_encoded = 0  # tower runs, for the stats and the test that each image is encoded once
+        # One call at a time: an agent rollout's copies call from several threads, and the adapter switch and the
+        # forwards of one call must not interleave with another's.
+        self._lock = threading.Lock()
 
     def generate(self, prompts: list[VisionPrompt], sampling: SamplingParams, *, policy: str | None, seed: int,
                  sessions: list[VisionSession | None] | None = None) -> list[Generation]:
@@ -58,7 +62,7 @@ class VisionSampler:
             raise UserError("a prompt to sample from is empty", hint="send at least one token per prompt")
         sessions = sessions or [None] * len(prompts)
         results: list[Generation | None] = [None] * len(prompts)
-        with torch.no_grad(), self.activate(policy):
+        with self._lock, torch.no_grad(), self.activate(policy):
             model = self.get_model()
             tag = self.weights_tag(policy)
             groups: dict[tuple, list[int]] = {}
