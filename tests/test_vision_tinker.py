@@ -61,14 +61,14 @@ def test_image_chunks_train_and_sample_through_the_tinker_sdk(served):
     training = client.create_lora_training_client(base_model=model, rank=8).result()
     data = [_datum(worker, 20, "dark"), _datum(worker, 230, "light")]
     losses = []
-    for _ in range(6):
+    for _ in range(4):
         out = training.forward_backward(data, "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
         losses.append(out.metrics["loss:sum"])
         image_positions = [i for i, t in enumerate(data[0].loss_fn_inputs["target_tokens"].tolist())
                            if t == worker.vision.processor.image_token_id]
         assert (out.loss_fn_outputs[0]["logprobs"].to_numpy()[image_positions] == 0).all()  # never trained
-    assert losses[-1] < losses[0] * 0.7, losses
+    assert losses[-1] < losses[0] * 0.8, losses
     sampler = training.save_weights_and_get_sampling_client("v1").result() if hasattr(
         training, "save_weights_and_get_sampling_client") else training.save_weights_and_get_sampling_client_sync("v1")
     prompt = types.ModelInput(chunks=data[1].model_input.chunks[:2] + [types.EncodedTextChunk(
