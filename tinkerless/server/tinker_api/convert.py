@@ -69,6 +69,14 @@ def image_chunk(data: bytes, image_format: str, expected_tokens: int | None, vis
     return [vision.image_token_id] * image.num_tokens, image
 
 
+def _count_image(before: int) -> None:
+    from tinkerless.wire.content import MAX_IMAGES_PER_REQUEST
+
+    if before >= MAX_IMAGES_PER_REQUEST:
+        raise UserError(f"the request holds more than {MAX_IMAGES_PER_REQUEST} image chunks",
+                        hint="split it into smaller requests")
+
+
 def parse_forward_backward(body: bytes, vision=None):
     """The protobuf request body -> (model_id, seq_id, loss_fn, config dict, forward_only, datums); each datum is
     (tokens, inputs, images): a vision-language model (`vision`, its `VisionProcessor`) takes image chunks."""
@@ -87,6 +95,7 @@ def parse_forward_backward(body: bytes, vision=None):
         for chunk in datum.model_input:
             kind = chunk.WhichOneof("chunk")
             if kind == "image":
+                _count_image(len(images) + sum(len(d[2]) for d in datums))
                 image = chunk.image
                 expected = image.expected_tokens if image.HasField("expected_tokens") else None
                 ids, processed = image_chunk(image.data, image.format, expected, vision, f"datum {i}")
@@ -268,6 +277,7 @@ def model_input_with_images(model_input: dict, vision) -> tuple[list[int], list]
         raise UserError("prompt.chunks must be a list of chunk objects", hint='send {"chunks": [{"tokens": [...]}]}')
     for chunk in chunks:
         if chunk.get("type") == "image":
+            _count_image(len(images))
             data, expected = chunk.get("data"), chunk.get("expected_tokens")
             if not isinstance(data, str) or (expected is not None and (not isinstance(expected, int) or isinstance(expected, bool))):
                 raise UserError("an image chunk needs base64 'data' (and an integer 'expected_tokens', or none)")
