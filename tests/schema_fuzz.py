@@ -119,10 +119,10 @@ def replaced(value: Any, path: tuple, new: Any) -> Any:
 def wire_dataclasses() -> list[type]:
     """Every dataclass a client can send: the wire modules' own, and the loss config they carry."""
     from tinkerless.functions.losses import LossConfig
-    from tinkerless.wire import code, messages, runs
+    from tinkerless.wire import code, content, messages, runs
 
     found = [LossConfig]
-    for module in (messages, runs, code):
+    for module in (messages, runs, code, content):
         found += [obj for obj in vars(module).values()
                   if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__]
     return found
@@ -166,8 +166,35 @@ def routes(target) -> dict[str, object]:
         multi.limits, 0)
     calls["delete_policy"] = DeletePolicyRequest("fz-gone")
     out = {f"/v1/call/{m}": body for m, body in calls.items() if m != "info"}
+    out.update(image_templates())
     out.update(run_templates(target))
     return out
+
+
+def image_templates() -> dict[str, object]:
+    """Requests that carry images (content parts in tasks and messages, processed images in datums), under the
+    routes that take them; the fragment after '#' tells the templates apart and never reaches the server."""
+    import io
+
+    from fuzz_cases import POLICY, _datum
+    from PIL import Image
+
+    from tinkerless.functions.losses import LossConfig
+    from tinkerless.wire.content import ImagePart, TextPart, VisionInput
+    from tinkerless.wire.messages import EpisodeLimits, ForwardRequest, RolloutRequest, SamplingParams, UpdateRequest
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (6, 4), (200, 10, 10)).save(buffer, format="PNG")
+    image = ImagePart(buffer.getvalue(), "image/png")
+    tasks = [{"prompt": "which colour?", "images": [image]},
+             {"messages": [{"role": "user", "content": [TextPart("and here?"), image]}]}]
+    datum = _datum()
+    datum.images = [VisionInput("0" * 64, np.zeros((3, 8, 8), np.float32), [], 4)]
+    return {
+        "/v1/call/rollout#images": RolloutRequest(POLICY, tasks, 1, SamplingParams(max_tokens=2), EpisodeLimits(), 0),
+        "/v1/call/forward#images": ForwardRequest(POLICY, [datum]),
+        "/v1/call/update#images": UpdateRequest(POLICY, [datum], LossConfig()),
+    }
 
 
 def schema_requests(target) -> st.SearchStrategy:

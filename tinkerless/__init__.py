@@ -18,6 +18,7 @@ Public API:
 - `tool`, `ToolEnv`: tool-calling envs;
 - `TrainingClient`, `LocalBackend`: Tinker-style primitives (sample, forward_backward, optim_step, save/load_state);
 - `LossConfig`, `AdamParams`, `SamplingParams`, `LoraConfig`, `Datum`: wire types;
+- `TextPart`, `ImagePart`, `image_part`: content parts, images in tasks, observations and messages (docs/vision.md);
 - `errors`: the typed exceptions.
 Heavy modules (torch, transformers) load on first use of what needs them.
 """
@@ -57,6 +58,9 @@ _LAZY = {
     "MultiStepResult": "tinkerless.envs.base",
     "tool": "tinkerless.envs.tools",
     "ToolEnv": "tinkerless.envs.tools",
+    "TextPart": "tinkerless.wire.content",
+    "ImagePart": "tinkerless.wire.content",
+    "image_part": "tinkerless.wire.content",
 }
 
 

@@ -56,6 +56,7 @@ class ModelShape:
     vocab: int
     tied: bool = True
     head_dim: int | None = None
+    vision_params: int = 0  # a vision-language model's tower and connector (frozen: weights only, no LoRA states)
 
     @property
     def q_dim(self) -> int:
@@ -73,7 +74,7 @@ class ModelShape:
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
     def params(self) -> int:
-        return self.layers * self.layer_params() + self.embedding_params()
+        return self.layers * self.layer_params() + self.embedding_params() + self.vision_params
 
     def lora_params(self, rank: int) -> int:
         """LoRA on every linear layer of the decoder ("all-linear": q, k, v, o, gate, up, down; not the head)."""
@@ -83,6 +84,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
+        vision = vision_params(config)
         if isinstance(config, dict):
             config = config.get("text_config") or config
         config = getattr(config, "get_text_config", lambda: config)()
@@ -91,7 +93,8 @@ class ModelShape:
         return cls(hidden=hidden, layers=int(get("num_hidden_layers")), heads=heads,
                    kv_heads=int(get("num_key_value_heads") or heads),
                    intermediate=int(get("intermediate_size") or 4 * hidden), vocab=int(get("vocab_size")),
-                   tied=bool(get("tie_word_embeddings", False)), head_dim=get("head_dim"))  # fmt: skip
+                   tied=bool(get("tie_word_embeddings", False)), head_dim=get("head_dim"),
+                   vision_params=vision)  # fmt: skip
 
     @classmethod
     def of(cls, model: str) -> ModelShape | None:
@@ -112,6 +115,34 @@ class ModelShape:
             return cls.from_config(AutoConfig.from_pretrained(source))
         except Exception:  # noqa: BLE001 - planning is advice; a model it cannot read is checked at load
             return None
+
+
+def vision_params(config: Any) -> int:
+    """Parameters of a VLM's vision tower and connector, from its config alone (0 for a text model): per layer
+    attention (4 h^2) and MLP (2 or, gated as Qwen-VL's, 3 h x intermediate); the patch embedding; the connector
+    (LLaVA's two-layer projector to the text width; Qwen-VL's merger of merge^2 patches)."""
+    as_dict = config if isinstance(config, dict) else getattr(config, "to_dict", lambda: {})()
+    vision = as_dict.get("vision_config")
+    if not isinstance(vision, dict):
+        return 0
+    text = as_dict.get("text_config") or as_dict
+    h = int(vision.get("hidden_size") or vision.get("embed_dim") or 0)
+    if not h:
+        return 0
+    layers = int(vision.get("num_hidden_layers") or vision.get("depth") or 0)
+    inter = int(vision.get("intermediate_size") or 4 * h)
+    gated = "spatial_merge_size" in vision  # Qwen-VL's towers have gated MLPs
+    patch = int(vision.get("patch_size") or 14)
+    channels = int(vision.get("num_channels") or vision.get("in_chans") or 3) * int(vision.get("temporal_patch_size") or 1)
+    tower = layers * (4 * h * h + (3 if gated else 2) * h * inter) + channels * patch * patch * h
+    out = int(vision.get("out_hidden_size") or text.get("hidden_size") or h)
+    if gated:
+        merged = h * int(vision.get("spatial_merge_size") or 2) ** 2
+        connector = merged * merged + merged * out
+    else:
+        connector = h * out + out * out
+        tower += int((int(vision.get("image_size") or 224) // patch) ** 2) * h  # position embeddings
+    return tower + connector
 
 
 # Shapes of bench/gpu_shapes.py (vocab 49152, tied embeddings): the measured points.

@@ -81,6 +81,11 @@ def resolve_model(spec: str) -> str:
         return str(_smollm2_local_dir())
     if spec == TINY_MODEL:  # built from a config on first use: no download, for trying an env quickly
         return build_tiny_model(cache_dir() / "models" / "tiny-qwen2-h64-l2-s0")
+    from tinkerless.functions.vision.models import vision_source
+
+    built = vision_source(spec)  # tiny-llava, tiny-qwen2.5-vl, smollm2-llava
+    if built is not None:
+        return built
 
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -119,17 +124,31 @@ def model_aliases(spec: str) -> set[str]:
 
 
 def load_model(spec: str, *, dtype: torch.dtype | None = None, device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer, ready for left-padded batched generation."""
+    """Load a causal LM (or a vision-language model) and its tokenizer, ready for left-padded batched generation."""
+    model, tokenizer, _ = load_any_model(spec, dtype=dtype, device=device)
+    return model, tokenizer
+
+
+def load_any_model(spec: str, *, dtype: torch.dtype | None = None, device: str = "cpu"):
+    """(model, tokenizer, image processor or None): a causal LM, or a vision-language model (`functions/vision`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tinkerless.functions.vision.models import is_vision_model, load_vision_model
+
     source = resolve_model(spec)
+    image_processor = None
     try:
+        if is_vision_model(source):
+            model, tokenizer, image_processor = load_vision_model(source, dtype=dtype or torch.float32, device=device)
+            model, tokenizer = finish_loading(model, tokenizer, device=device)
+            return model, tokenizer, image_processor
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"Could not load model {spec!r} (from {source!r}): {exc}", hint=_NOT_FOUND_HINT) from exc
-    return finish_loading(model, tokenizer, device=device)
+    model, tokenizer = finish_loading(model, tokenizer, device=device)
+    return model, tokenizer, image_processor
 
 
 def finish_loading(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -45,6 +45,9 @@ class PolicyAdapters:
         # None: unknown (peft added, deleted or re-set adapters), the next switch is made in full.
         self._adapter_state: str | None = None
         self._snapshot_root = tempfile.mkdtemp(prefix="tinkerless-adapters-")
+        # A vision-language model's LoRA targets: 'all-linear' would reach the vision tower, so a VLM worker sets
+        # this to put a config's adapters where it asks (`vision.models.lora_targets`).
+        self.resolve_lora: Callable[[LoraConfig], LoraConfig] = lambda lora: lora
 
     def get(self, name: str) -> Policy:
         if name not in self.policies:
@@ -60,7 +63,7 @@ class PolicyAdapters:
         model in a PeftModel: `on_wrap` gets it before anything samples from the new policy."""
         from peft import get_peft_model
 
-        config = peft_config(lora)
+        config = peft_config(self.resolve_lora(lora))
         self._adapters_changed()
         try:
             # Seed LoRA's random init so the same seed gives the same adapter.
@@ -93,7 +96,7 @@ class PolicyAdapters:
         """The adapter's init from its LoRA seed again, a fresh optimizer, version 0."""
         policy = self.get(name)
         self._adapters_changed()
-        reinit_adapter(self.model, name, policy.lora)
+        reinit_adapter(self.model, name, self.resolve_lora(policy.lora))
         policy.optimizer = torch.optim.AdamW(policy.params, lr=1e-4)
         policy.version = 0
         self.forget_snapshots(name)

@@ -31,7 +31,8 @@ from tinkerless.functions.sampling.engine import TransformersEngine
 from tinkerless.functions.training.policy_state import (ADAPTER_CONFIG, canonical_adapter_config, check_weights_fit,
                                                       parse_policy_state)
 from tinkerless.functions.precision import dtype_name, resolve_dtype
-from tinkerless.functions.models import load_model, resolve_model
+from tinkerless.functions.models import resolve_model
+from tinkerless.functions.vision.checks import check_images_fit, has_images
 from tinkerless.functions.threads import apply_threads, choose_threads
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.code import CodeBlob
@@ -126,10 +127,20 @@ class Worker:
         self._code_cache: dict[str, Any] = {}
         self.user_code_hosts = user_code_hosts
         self.engine = self._make_engine(engine, max_batch_size)
+        self.vision = None  # a vision-language model's processor, chat with images and sampler (`functions/vision`)
+        if getattr(self, "_image_processor", None) is not None:
+            from tinkerless.functions.vision.models import lora_targets
+            from tinkerless.functions.vision.runtime import VisionRuntime
+
+            self.vision = VisionRuntime(self, self._image_processor)
+            self.adapters.resolve_lora = lambda lora: lora_targets(self.base_model, lora)
 
     def _load_base_model(self, device: str) -> tuple[Any, Any]:
         """The base model and its tokenizer (a sharded update's rank loads only its share: `sharding.rank`)."""
-        return load_model(self.model_name, dtype=self.dtype, device=device)
+        from tinkerless.functions.models import load_any_model
+
+        model, tokenizer, self._image_processor = load_any_model(self.model_name, dtype=self.dtype, device=device)
+        return model, tokenizer
 
     @property
     def model(self) -> Any:
@@ -192,6 +203,7 @@ class Worker:
                 )
             if expected is not None:  # every value from the caller, before it reaches the model
                 validate(request, vocab_size=self.vocab_size)
+                check_images_fit(self, request)  # processed images only for a VLM, and as its processor gives
             return encode_message(getattr(self, method)(request))
         except Exception as exc:  # every failure becomes a structured reply, never a dropped connection
             return encode_message(error_reply(exc))
@@ -264,10 +276,18 @@ class Worker:
         return rollout_requests.load_code(blob, self.user_code_hosts, self._code_cache)
 
     def rollout(self, request: RolloutRequest) -> RolloutResult:
+        if self.vision is not None and request.agent is None:
+            if request.policy != BASE_POLICY:
+                self._policy(request.policy)
+            with self._hosted_code():
+                return self.vision.rollout(request, self._load_code)
+        if self.vision is None and has_images(request.tasks):
+            raise UserError(f"model {self.model_name!r} takes no images: a task of this rollout holds one",
+                            hint="use a vision-language model (docs/vision.md), or send text only")
         with self._hosted_code():
             return rollout_requests.rollout(
                 request, engine=self.engine, chat=self.chat, tokenizer=self.tokenizer, hosts=self.user_code_hosts,
-                code_cache=self._code_cache, check_policy=self._policy,
+                code_cache=self._code_cache, check_policy=self._policy, vision=self.vision,
             )
 
     def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:

@@ -83,6 +83,7 @@ class TrainConfig:
     grad_clip_norm: float = 1.0
     lora_rank: int = 16
     lora_alpha: int = 32
+    lora_vision: str = "none"  # a vision-language model's parts trained beside its LM: none | connector | tower
     # batch and sampling
     steps: int = 10
     batch_size: int = 8  # tasks per step
@@ -126,6 +127,8 @@ class TrainConfig:
         return local_backend_options(self.backend, threads=self.threads, rollout_workers=self.rollout_workers, gpus=self.gpus)
 
     def validate(self) -> None:
+        if self.lora_vision not in ("none", "connector", "tower"):
+            raise ConfigError(f"lora_vision must be 'none', 'connector' or 'tower', got {self.lora_vision!r}")
         if self.algo not in ALGORITHMS:
             raise ConfigError(f"unknown algo {self.algo!r}", hint=f"one of {', '.join(ALGORITHMS)}")
         if self.loss not in LOSS_NAMES:

@@ -49,6 +49,8 @@ FIELD_DOCS: dict[str, str] = {
     "grad_clip_norm": "Gradients are clipped to this global norm.",
     "lora_rank": "LoRA rank of the trained adapter.",
     "lora_alpha": "LoRA alpha (the adapter's scale is alpha / rank).",
+    "lora_vision": "A vision-language model's parts trained beside its language model (LoRA on their linear "
+    "layers): `none` (tower and connector frozen), `connector` (the projector too) or `tower` (both); docs/vision.md.",
     "steps": "Training steps (one rollout batch and one optimizer step each).",
     "batch_size": "Tasks per step.",
     "group_size": "Episodes per task; advantages are relative to the task's group.",

@@ -3,6 +3,8 @@
 - `encode_message` / `decode_message`: versioned msgpack envelopes with compact arrays.
 - `pack_code` / `unpack_code`: user code by value (cloudpickle) in `CodeBlob` fields.
 - `messages`: the requests and replies of the rollout, forward and update functions;
+- `content`: content parts (text and images) of messages, tasks and observations, checked under the image limits,
+  and the processed images a datum carries;
 - `runs`: coordinator calls and checkpoints of a run hosted by a server;
 - `validate` / `run_calls`: every value a client sends, checked at the boundary;
 - `http`: the HTTP transport's header names and its size-limited body reader;

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from tinkerless.wire.code import CodeBlob
+from tinkerless.wire.content import VisionInput
 
 BASE_POLICY = "base"  # the base model with every adapter switched off, on every worker
 
@@ -37,6 +38,9 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: str | list[str] = "all-linear"
     seed: int = 0
+    # A vision-language model's parts that train beside its language model (LoRA on their linear layers):
+    # "none" (the tower and the connector stay frozen), "connector" (the projector too), "tower" (both).
+    vision: str = "none"
 
 
 @dataclass
@@ -102,6 +106,7 @@ class TrainingSequence:
     tokens: np.ndarray  # int32 [N]
     mask: np.ndarray  # float32 [N]: 1 on sampled tokens
     sampler_logprobs: np.ndarray  # float32 [N]: 0 where mask is 0
+    images: list[VisionInput] = field(default_factory=list)  # processed images, in the order of their tokens
 
 
 @dataclass
@@ -122,10 +127,12 @@ class Episode:
     # An agent that rewrote its context: its later calls are sequences of their own, trained with this
     # episode's advantage (the first sequence is tokens/mask/sampler_logprobs above).
     extra_sequences: list[TrainingSequence] = field(default_factory=list)
+    # A vision-language episode's images, processed, in the order their image tokens appear in `tokens`.
+    images: list[VisionInput] = field(default_factory=list)
 
     def sequences(self) -> list[TrainingSequence]:
         """Every trained sequence of the episode: the first (tokens/mask/sampler_logprobs), then the extra ones."""
-        first = TrainingSequence(self.tokens, self.mask, self.sampler_logprobs)
+        first = TrainingSequence(self.tokens, self.mask, self.sampler_logprobs, self.images)
         return [first, *self.extra_sequences]
 
     def sampled_tokens(self) -> int:
@@ -147,6 +154,7 @@ class Datum:
     sampler_logprobs: np.ndarray | None = None  # float32 [N]
     old_logprobs: np.ndarray | None = None  # float32 [N], trainer log-probs of the sampling policy (TIS)
     ref_logprobs: np.ndarray | None = None  # float32 [N], base model log-probs (KL)
+    images: list[VisionInput] | None = None  # processed images, in the order of their image tokens in `tokens`
 
 
 @dataclass

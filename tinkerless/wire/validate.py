@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tinkerless.errors import InvalidRequest, TinkerlessError
+from tinkerless.wire.content import MAX_IMAGES_PER_MESSAGE, check_request_images, image_part, to_parts
 from tinkerless.storage.names import POLICY_NAME, RUN_ID, check_file_key, check_name
 
 MAX_DEPTH = 32  # nesting of plain data (tasks, metadata); real requests use a handful of levels
@@ -240,6 +241,14 @@ def _agent_transport(value: Any, path: str) -> None:
         _fail(path, f"is {str(value)[:40]!r}, not 'asgi' or 'http'")
 
 
+def _one_of(*choices: str) -> Callable[[Any, str], None]:
+    def rule(value: Any, path: str) -> None:
+        if value not in choices:
+            _fail(path, f"is {str(value)[:40]!r}, not one of {', '.join(map(repr, choices))}")
+
+    return rule
+
+
 def _tagged(module: str, name: str) -> Callable[[Any, str], None]:
     def rule(value: Any, path: str) -> None:
         if (type(value).__module__, type(value).__qualname__) != (module, name):
@@ -263,7 +272,7 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
         m.SamplingParams: {"max_tokens": between(0, MAX_TOKENS), "temperature": _temperature, "top_p": between(0, 1, low_open=True),
                            "top_k": between(0, MAX_TOKENS)},
         m.LoraConfig: {"rank": between(1, 256), "alpha": between(0, low_open=True), "dropout": between(0, 1, high_open=True),
-                       "target_modules": _non_empty, "seed": seed},
+                       "target_modules": _non_empty, "seed": seed, "vision": _one_of("none", "connector", "tower")},
         m.AdamParams: {"learning_rate": between(0, MAX_LEARNING_RATE), "beta1": between(0, 1, high_open=True),
                        "beta2": between(0, 1, high_open=True), "eps": between(0, low_open=True),
                        "weight_decay": between(0), "grad_clip_norm": between(0)},
@@ -371,8 +380,18 @@ def _single_turn_tasks(request: Any) -> None:
                     _fail(where, f"must be a message map with 'role' and 'content', got {type(message).__name__}")
                 if message.get("role") not in MESSAGE_ROLES:
                     _fail(f"{where}['role']", f"is {str(message.get('role'))[:40]!r}, not one of {', '.join(MESSAGE_ROLES)}")
-                if not isinstance(message.get("content"), str):
-                    _fail(f"{where}['content']", "must be a string")
+                if not isinstance(message.get("content"), (str, list)):
+                    _fail(f"{where}['content']", "must be a string or a list of content parts")
+                to_parts(message["content"], f"{where}['content']")
+        if "images" in task:
+            images = task["images"]
+            if not isinstance(images, list):
+                _fail(f"{path}['images']", "must be a list of images", "send images=[...] beside the prompt")
+            if len(images) > MAX_IMAGES_PER_MESSAGE:
+                _fail(f"{path}['images']", f"holds {len(images)} images, more than {MAX_IMAGES_PER_MESSAGE} in one message",
+                      f"send at most {MAX_IMAGES_PER_MESSAGE} images per task")
+            for j, image in enumerate(images):
+                image_part(image, f"{path}['images'][{j}]")
 
 
 def validate(request: Any, *, vocab_size: int | None = None) -> Any:
@@ -384,6 +403,7 @@ def validate(request: Any, *, vocab_size: int | None = None) -> Any:
     _check_dataclass(request, type(request).__name__, 0)
     _datums(request)
     _single_turn_tasks(request)
+    check_request_images(request)
     if vocab_size is not None:
         _token_ids(request, vocab_size)
     return request

@@ -20,6 +20,7 @@ episode with its traceback, dropped from training like a failing env.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import secrets
@@ -53,6 +54,7 @@ class _Copy:
     seed: int
     reward: float = math.nan
     metrics: dict = field(default_factory=dict)
+    images: list[tuple] = field(default_factory=list)  # per recorded call: its prompt's processed images
     error: str | None = None
     traceback: str | None = None
 
@@ -74,8 +76,9 @@ class PolicyBackend:
     """
 
     def __init__(self, engine: Engine, tokenizer: Any, *, policy: str | None, sampling: SamplingParams,
-                 limits: EpisodeLimits, copies: dict[str, _Copy], executor: ThreadPoolExecutor):
+                 limits: EpisodeLimits, copies: dict[str, _Copy], executor: ThreadPoolExecutor, vision: Any = None):
         self.engine, self._tokenizer, self.policy = engine, tokenizer, policy
+        self.vision = vision  # a vision-language model's runtime (`functions/vision`): calls may carry images
         self.sampling, self.limits, self.copies, self.executor = sampling, limits, copies, executor
         self.calls = 0  # every call sampled in this rollout (a statistic)
         self.gather = _Gather(
@@ -85,6 +88,9 @@ class PolicyBackend:
 
     def tokenizer(self) -> Any:
         return self._tokenizer
+
+    def vision_chat(self) -> Any:
+        return self.vision.chat if self.vision is not None else None
 
     def models(self, caller: str) -> list[str]:
         return [POLICY_MODEL]
@@ -115,10 +121,19 @@ class PolicyBackend:
                               hint="raise max_episode_tokens in the run's config, or send a shorter context")
         sampling = SamplingParams(max_tokens=max_tokens, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                   top_k=self.sampling.top_k, stop_token_ids=list(request.stop_token_ids))
-        generation = await self.gather.generate(prompt, sampling, seed=(run.seed * 1_000_003 + len(recorder.calls)) % (1 << 62))
+        seed = (run.seed * 1_000_003 + len(recorder.calls)) % (1 << 62)
+        if request.images:  # image features merged in the prefill, one call at a time (functions/vision/sampler.py)
+            from tinkerless.functions.vision.sampler import VisionPrompt
+
+            generation = (await asyncio.get_running_loop().run_in_executor(
+                self.executor, lambda: self.vision.sampler.generate(
+                    [VisionPrompt(prompt, list(request.images))], sampling, policy=self.policy, seed=seed)))[0]
+        else:
+            generation = await self.gather.generate(prompt, sampling, seed=seed)
         tokens, logprobs = cut_at_stop_strings(self._tokenizer, generation.tokens, generation.logprobs, request.stop_strings)
         stopped = generation.stop_reason == "stop" or len(tokens) < len(generation.tokens)
         recorder.record(prompt, tokens, logprobs, request.stop_token_ids, request.stop_strings)
+        run.images.append(tuple(request.images))
         self.calls += 1
         return [SampledChoice(token_ids=tokens, logprobs=logprobs, top_logprobs=None, stopped=stopped)]
 
@@ -243,12 +258,14 @@ def run_agent_episodes(
     seed: int,
     timeout: float,
     transport: str = "asgi",
+    vision: Any = None,
 ) -> list[Episode]:
-    """Run `group_size` copies of `agent` per task against the policy; one episode per copy, in task order."""
+    """Run `group_size` copies of `agent` per task against the policy; one episode per copy, in task order.
+    With `vision` (a VLM's runtime) the agent's calls may carry images (`image_url` parts)."""
     copies = make_copies(tokenizer, tasks, group_size, seed)
     with ThreadPoolExecutor(max_workers=max(1, min(len(copies), MAX_SAMPLING_THREADS)), thread_name_prefix="agent-sample") as executor:
         backend = PolicyBackend(engine, tokenizer, policy=policy, sampling=sampling, limits=limits,
-                                copies={c.episode_id: c for c in copies}, executor=executor)
+                                copies={c.episode_id: c for c in copies}, executor=executor, vision=vision)
         _in_own_loop(lambda: _play(agent, copies, backend, timeout, transport))
     return [_episode(c, tokenizer) for c in copies]
 
@@ -341,6 +358,12 @@ def _episode(run: _Copy, tokenizer: Any) -> Episode:
     first = sequences[0] if sequences else Sequence()
     ok = run.error is None
     calls = run.recorder.calls
+    # A sequence's images are its last call's: that call's prompt holds every image token of the sequence.
+    last_call = list(itertools.accumulate(s.calls for s in sequences))
+    images = [list(run.images[end - 1]) if end - 1 < len(run.images) else [] for end in last_call]
+    extra = [s.as_wire() for s in sequences[1:]]
+    for sequence, own in zip(extra, images[1:]):
+        sequence.images = own
     return Episode(
         task_index=run.task_index,
         tokens=np.asarray(first.tokens, dtype=np.int32),
@@ -355,7 +378,8 @@ def _episode(run: _Copy, tokenizer: Any) -> Episode:
         traceback=run.traceback,
         transcript=_transcript(run, tokenizer),
         info={"agent_metrics": run.metrics, "sequences": len(sequences)} if run.metrics else {"sequences": len(sequences)},
-        extra_sequences=[s.as_wire() for s in sequences[1:]],
+        extra_sequences=extra,
+        images=images[0] if images and ok else [],
     )
 
 

@@ -15,6 +15,7 @@ SSE `error` event of the same body.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import logging
@@ -30,6 +31,7 @@ from tinkerless.wire.http import RequestTooLarge, read_body
 from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError, TokenSampling
 from tinkerless.functions.openai_api.output import finish
 from tinkerless.functions.openai_api.render import chat_format, check_tools, render_chat
+from tinkerless.functions.openai_api.vision import has_image_parts, render_vision_chat
 from tinkerless.functions.openai_api.replies import ChatReply, CompletionReply
 from tinkerless.functions.openai_api.schemas import ChatCompletionRequest, CompletionRequest, FieldError
 from tinkerless.functions.openai_api.streaming import ChoiceText, chat_chunks, completion_chunks, open_streams, sse_response
@@ -180,10 +182,16 @@ def openai_router(
             refuse_long_text(_characters(body.messages), "messages")
             tokenizer = backend.tokenizer()
             tools = check_tools(body.tools) if body.tool_choice != "none" else []
-            prompt_ids = await asyncio.to_thread(render_chat, tokenizer, body.messages, tools or None)
+            images: tuple = ()
+            if has_image_parts(body.messages):  # rendered by the model's processor (functions/vision)
+                prompt_ids, images = await asyncio.to_thread(render_vision_chat, backend, body.messages, tools)
+            else:
+                prompt_ids = await asyncio.to_thread(render_chat, tokenizer, body.messages, tools or None)
             stop_ids = list(chat_format(tokenizer).eos_token_ids)
             top = (body.top_logprobs or 0) if body.logprobs else 0
             request_sampling = sampling(body, prompt_ids, body.token_limit, top, stop_ids)
+            if images:
+                request_sampling = dataclasses.replace(request_sampling, images=images)
             reply = ChatReply(body, tokenizer, len(prompt_ids), parse_tools=bool(tools))
             if body.stream:
                 streams = await open_streams(backend, who, body.model, [request_sampling])

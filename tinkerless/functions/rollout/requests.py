@@ -45,12 +45,14 @@ def rollout(
     hosts: Any,
     code_cache: dict[str, Any],
     check_policy: Callable[[str], Any],
+    vision: Any = None,
 ) -> RolloutResult:
     started = time.perf_counter()
     if request.policy != BASE_POLICY:
         check_policy(request.policy)
     if request.agent is not None:
-        return _agent_rollout(request, started, engine=engine, tokenizer=tokenizer, hosts=hosts, code_cache=code_cache)
+        return _agent_rollout(request, started, engine=engine, tokenizer=tokenizer, hosts=hosts, code_cache=code_cache,
+                              vision=vision)
     with rollout_clock() as clock:
         episodes = run_episodes(
             TimedEngine(engine),
@@ -72,7 +74,8 @@ def rollout(
 
 
 def _agent_rollout(
-    request: RolloutRequest, started: float, *, engine: Any, tokenizer: Any, hosts: Any, code_cache: dict[str, Any]
+    request: RolloutRequest, started: float, *, engine: Any, tokenizer: Any, hosts: Any, code_cache: dict[str, Any],
+    vision: Any = None,
 ) -> RolloutResult:
     """Copies of an @tinkerless.agent function against this worker's OpenAI endpoint (agent_functions.py)."""
     from tinkerless.functions.hosting.agent_functions import run_agent_episodes
@@ -89,7 +92,8 @@ def _agent_rollout(
 
             episodes, stats = run_hosted_agent_episodes(engine, tokenizer, agent=agent, **options)
         else:
-            episodes = run_agent_episodes(engine, tokenizer, agent=agent, transport=request.agent_transport, **options)
+            episodes = run_agent_episodes(engine, tokenizer, agent=agent, transport=request.agent_transport, vision=vision,
+                                          **options)
     sampled = float(sum(e.sampled_tokens() for e in episodes))
     return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **stats,
                                     **clock.as_stats()})

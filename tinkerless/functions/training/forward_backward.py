@@ -123,6 +123,10 @@ def forward(
     """Per-token log-probs of every datum (with `world_size` > 1: of this rank's datums, None for the others).
     `token_budget`: the micro-batches' padded tokens (default: what the activation budget allows); ranks pass
     one agreed figure, since free GPU memory, which the default follows, differs between them."""
+    if any(d.images for d in data):  # a vision-language batch: the images merged into the inputs
+        from tinkerless.functions.vision import training as vision_training
+
+        return vision_training.forward(model, data, pad_id, micro_batch_size)
     device = next(model.parameters()).device
     out: list[np.ndarray | None] = [None] * len(data)
     micro_batch_size = rank_micro_batch_size(len(data), micro_batch_size, world_size)
@@ -160,6 +164,10 @@ def forward_backward(
     part (`sharding.ranks.merge_metrics` adds the parts up) and other ranks' rows' log-probs are None.
     """
     config.validate()
+    if any(d.images for d in data):  # a vision-language batch: the images merged into the inputs
+        from tinkerless.functions.vision import training as vision_training
+
+        return vision_training.forward_backward(model, data, config, pad_id, micro_batch_size)
     device = next(model.parameters()).device
     masks = [np.asarray(d.mask, dtype=np.float32) for d in data]
     totals = _Totals(config, _normalizer(config, masks))

@@ -6,7 +6,8 @@
 The adapter directory loads with plain `peft` (`PeftModel.from_pretrained(base, out)`); its
 `base_model_name_or_path` is the base model's Hub id where it has one (SmolLM2), else the local
 model directory the run trained on. The merged directory loads with plain `transformers`
-(`AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(out)`) and needs no peft.
+(`AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(out)`; a vision-language model's with
+`AutoModelForImageTextToText`, its image processor saved beside it) and needs no peft.
 
 Everything is written into a temporary directory next to OUT and renamed into place at the end,
 so a failed export leaves nothing half-written, and an OUT that already holds files is refused
@@ -212,14 +213,24 @@ def _write_merged(files: dict[str, bytes], model: str, directory: Path) -> None:
 
     from tinkerless.functions.models import resolve_model
 
+    from tinkerless.functions.vision.models import is_vision_model, load_image_processor
+
     source = resolve_model(model)
-    base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    vision = is_vision_model(source)  # a VLM: AutoModelForImageTextToText, and its image processor beside it
+    if vision:
+        from transformers import AutoModelForImageTextToText
+
+        base = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     with tempfile.TemporaryDirectory(prefix="tinkerless-adapter-") as adapter_dir:
         _write_files(files, Path(adapter_dir))
         merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(directory)  # config.json, generation_config.json, model.safetensors
     # A fresh tokenizer: the worker's copy is set up for left-padded batches; this one is as shipped.
     AutoTokenizer.from_pretrained(source).save_pretrained(directory)
+    if vision:
+        load_image_processor(source).save_pretrained(directory)
 
 
 def _check_target(out: Path) -> None:

@@ -31,6 +31,7 @@ _SFT_FLAGS = {
     "learning_rate": (float, "AdamW learning rate (default: 2e-4)"),
     "lora_rank": (int, "LoRA rank (default: 16)"),
     "lora_alpha": (int, "LoRA alpha (default: 32)"),
+    "lora_vision": (str, "a vision-language model's parts trained beside its LM: none, connector or tower (default: none)"),
     "max_length": (int, "tokens per conversation; longer ones are an error naming their line (default: 2048)"),
     "eval_every": (int, "steps between eval-NLL measurements (default: 5)"),
     "seed": (int, "seed of the hold-out split, the data order and the LoRA init (default: 0)"),

@@ -56,6 +56,7 @@ def datums(episodes: list[Episode], advantage_config: AdvantageConfig) -> list[D
                     mask=sequence.mask,
                     advantages=(sequence.mask * advantage).astype(np.float32),
                     sampler_logprobs=sequence.sampler_logprobs,
+                    images=list(sequence.images) or None,  # a vision-language episode's images, in token order
                 )
             )
     return data

@@ -139,7 +139,8 @@ class _Run:
                     name: TrainingClient(
                         self.backend,
                         policy=name,
-                        lora=LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed + i),
+                        lora=LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed + i,
+                                        vision=config.lora_vision),
                         namespace=self.namespace,
                     )
                     for i, name in enumerate(self.policies)

@@ -25,6 +25,7 @@ from typing import Iterable
 import numpy as np
 
 from tinkerless.sdk.run.metrics import jsonable
+from tinkerless.wire.content import for_disk
 from tinkerless.wire.messages import Episode, EpisodeLimits
 
 TRANSCRIPTS_FILE = "episodes.jsonl"
@@ -45,8 +46,8 @@ def episode_record(
         "turn_rewards": list(episode.turn_rewards),
         "num_turns": episode.num_turns,
         "tokens": token_counts(episode),
-        "messages": list(episode.transcript),
-        "task": task,
+        "messages": for_disk(list(episode.transcript)),  # images by their hash, never their bytes
+        "task": for_disk(task),
         "info": info,
         "error": episode.error,
     }

@@ -41,6 +41,7 @@ class SFTConfig:
     grad_clip_norm: float = 1.0
     lora_rank: int = 16
     lora_alpha: int = 32
+    lora_vision: str = "none"  # a vision-language model's parts trained beside its LM: none | connector | tower
     max_length: int = 2048  # tokens per rendered conversation; a longer one is an error naming its line
     eval_every: int = 5  # steps between eval-NLL measurements (the last step is always measured)
     # run management (as in TrainConfig)
@@ -66,6 +67,8 @@ class SFTConfig:
         if self.data is None:
             raise ConfigError("an SFT run needs data", hint='data="train.jsonl" or data=[{"messages": [...]}, ...]')
         check_dtype(self.dtype)
+        if self.lora_vision not in ("none", "connector", "tower"):
+            raise ConfigError(f"lora_vision must be 'none', 'connector' or 'tower', got {self.lora_vision!r}")
         for name in ("epochs", "batch_size", "lora_rank", "max_length", "eval_every", "checkpoint_every", "micro_batch_size", "steps", "threads", "keep_checkpoints"):
             value = getattr(self, name)
             if value is None and name in ("steps", "threads", "keep_checkpoints"):

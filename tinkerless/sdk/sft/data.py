@@ -42,6 +42,7 @@ class SFTExample:
     tokens: np.ndarray  # int32 [N]
     weights: np.ndarray  # float32 [N]
     line: int  # 1-based line in the source file (0 for in-memory data)
+    images: list | None = None  # a vision-language model's processed images (`VisionInput`), in token order
 
     @property
     def trained_tokens(self) -> int:
@@ -113,10 +114,18 @@ def to_messages(record: Any, where: str) -> list[dict]:
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise DatasetError(f"{where}: message {i} has role {role!r}", hint=f"use one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
+        if isinstance(content, list):  # content parts: text and images (docs/vision.md)
+            from tinkerless.errors import InvalidRequest
+            from tinkerless.wire.content import to_parts
+
+            try:
+                content = to_parts(content, f"message {i} content")
+            except InvalidRequest as exc:
+                raise DatasetError(f"{where}: {exc.message}", hint=exc.hint) from None
+        elif not isinstance(content, str):
             raise DatasetError(
                 f"{where}: message {i} ({role}) has no string 'content' (got {type(content).__name__})",
-                hint="every message needs its text in 'content'",
+                hint="every message needs its text in 'content' (or a list of text and image parts)",
             )
         train = message.get("train", role == "assistant")
         if not isinstance(train, bool):
@@ -140,7 +149,7 @@ def to_messages(record: Any, where: str) -> list[dict]:
 class ChatRenderer:
     """Renders conversations with a tokenizer's chat template into (tokens, weights)."""
 
-    def __init__(self, tokenizer, end_of_turn_id: int | None):
+    def __init__(self, tokenizer, end_of_turn_id: int | None, vision: Any = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
                 "the model's tokenizer has no chat template, so chat SFT data cannot be rendered",
@@ -150,9 +159,14 @@ class ChatRenderer:
             raise ConfigError("SFT needs a fast tokenizer (for token offsets)", hint="load the model's tokenizer.json")
         self.tokenizer = tokenizer
         self.end_of_turn = tokenizer.convert_ids_to_tokens(end_of_turn_id) if end_of_turn_id is not None else None
+        self.vision = vision  # a VisionProcessor: image parts rendered as the template's placeholders, then expanded
 
     def _text(self, messages: list[dict], generation_prompt: bool) -> str:
-        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        from tinkerless.wire.content import TextPart
+
+        plain = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in m["content"]]}
+            for m in messages]
         return self.tokenizer.apply_chat_template(plain, add_generation_prompt=generation_prompt, tokenize=False)
 
     def _opening(self, before: list[dict]) -> str:
@@ -199,7 +213,31 @@ class ChatRenderer:
         weights[0] = 0.0  # the first token has no prefix to be predicted from
         if weights.sum() == 0:
             raise DatasetError(f"{where}: the assistant turns render to no tokens", hint="give them some content")
-        return SFTExample(np.asarray(ids, dtype=np.int32), weights, line)
+        images = self._images(messages, where)
+        if images:  # each placeholder becomes the image's tokens, never trained
+            ids, weights = self._expanded(ids, weights, images)
+        return SFTExample(np.asarray(ids, dtype=np.int32), weights, line, images or None)
+
+    def _images(self, messages: list[dict], where: str) -> list:
+        from tinkerless.wire.content import ImagePart
+
+        parts = [p for m in messages if isinstance(m["content"], list) for p in m["content"] if isinstance(p, ImagePart)]
+        if parts and self.vision is None:
+            raise DatasetError(f"{where}: the conversation holds images and this model takes none",
+                               hint="use a vision-language model (docs/vision.md), or drop the images")
+        return [self.vision.process(p) for p in parts]
+
+    def _expanded(self, ids: list[int], weights: np.ndarray, images: list) -> tuple[list[int], np.ndarray]:
+        placeholder = self.vision.image_token_id
+        if sum(1 for t in ids if t == placeholder) != len(images):
+            raise DatasetError("the text holds the model's image token itself, or the template drops images",
+                               hint="do not write the image token in text; send image parts")
+        out_ids, out_weights, pending = [], [], iter(images)
+        for token, weight in zip(ids, weights):
+            count = next(pending).num_tokens if token == placeholder else 1
+            out_ids += [token] * count
+            out_weights += [0.0 if token == placeholder else float(weight)] * count
+        return out_ids, np.asarray(out_weights, dtype=np.float32)
 
 
 def render_examples(

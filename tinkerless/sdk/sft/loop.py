@@ -58,6 +58,16 @@ def sft(config: SFTConfig | None = None, *, backend: Backend | str | None = None
         return _SFTRun(config, backend if not isinstance(backend, (str, type(None))) else None).run()
 
 
+def load_vision(backend: Backend, model: str):
+    """A vision-language model's processor (images to pixels and image tokens), or None for a text model."""
+    worker = getattr(backend, "worker", None) or getattr(getattr(backend, "inner", None), "worker", None)
+    if worker is not None:
+        return worker.vision.processor if getattr(worker, "vision", None) is not None else None
+    from tinkerless.functions.vision.processing import load_processor
+
+    return load_processor(model)
+
+
 def load_tokenizer(backend: Backend, model: str):
     """The model's tokenizer and end-of-turn id: the in-process worker's, else loaded here from the model spec."""
     worker = getattr(backend, "worker", None) or getattr(getattr(backend, "inner", None), "worker", None)
@@ -72,11 +82,12 @@ def load_tokenizer(backend: Backend, model: str):
     return tokenizer, ChatFormat(tokenizer).end_of_turn_id
 
 
-def render_data(config: SFTConfig, tokenizer, end_of_turn_id: int | None) -> tuple[list[SFTExample], list[SFTExample]]:
+def render_data(config: SFTConfig, tokenizer, end_of_turn_id: int | None,
+                vision: Any = None) -> tuple[list[SFTExample], list[SFTExample]]:
     """(train, eval) examples; every data error is raised here, before a run exists."""
     from tinkerless.sdk.sft.data import ChatRenderer
 
-    renderer = ChatRenderer(tokenizer, end_of_turn_id)
+    renderer = ChatRenderer(tokenizer, end_of_turn_id, vision)
 
     def render(data: Any) -> list[SFTExample]:
         source = str(data) if isinstance(data, (str, Path)) else "SFT data"
@@ -100,7 +111,7 @@ def batch_indices(step: int, batch_size: int, count: int, seed: int) -> list[int
 
 
 def datum(example: SFTExample) -> Datum:
-    return Datum(tokens=example.tokens, mask=example.weights)
+    return Datum(tokens=example.tokens, mask=example.weights, images=example.images)
 
 
 def nll(client: TrainingClient, examples: list[SFTExample]) -> float:
@@ -122,7 +133,8 @@ class _SFTRun:
         )
         try:
             tokenizer, end_of_turn = load_tokenizer(self.backend, config.model)
-            self.train_set, self.eval_set = render_data(config, tokenizer, end_of_turn)
+            self.train_set, self.eval_set = render_data(config, tokenizer, end_of_turn,
+                                                        load_vision(self.backend, config.model))
             self.steps = config.steps or math.ceil(config.epochs * len(self.train_set) / config.batch_size)
             self.host = run_host_for(self.backend, config.storage, config.storage_options)
             if config.init_from and not config.resume:  # a wrong source fails before the run exists
@@ -146,7 +158,7 @@ class _SFTRun:
             with self.usage.phase("setup"):
                 self.usage.device = device_of(self.backend)
                 self.namespace = "s" + hashlib.sha256(f"{self.host.where}|{self.run_id}".encode()).hexdigest()[:10]
-                lora = LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
+                lora = LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed, vision=config.lora_vision)
                 self.client = TrainingClient(self.backend, "default", lora, namespace=self.namespace)
                 if start:
                     self._restore()

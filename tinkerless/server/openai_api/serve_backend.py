@@ -64,6 +64,10 @@ class ServeBackend:
     def tokenizer(self) -> Any:
         return self.worker.tokenizer
 
+    def vision_chat(self) -> Any:
+        """A vision-language model's chat with images (`functions/vision`), or None: the model reads text only."""
+        return self.worker.vision.chat if getattr(self.worker, "vision", None) is not None else None
+
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt a request may send: the server's limit, within the model's context."""
@@ -121,6 +125,9 @@ class ServeBackend:
 
     def _check(self, request: TokenSampling) -> None:
         prompt = len(request.prompt_ids)
+        if request.images and request.top_logprobs:
+            raise OpenAIError("top_logprobs with images is not supported yet", param="top_logprobs",
+                              hint="ask for logprobs=true without top_logprobs, or send the images without it")
         if self.context_length is not None and prompt + request.max_tokens > self.context_length:
             if prompt >= self.context_length:
                 message = f"the prompt is {prompt} tokens, longer than the model's context of {self.context_length}"
@@ -199,7 +206,13 @@ class ServeBackend:
                 if kind == "live" and slot not in self.worker.policies:  # deleted while queued
                     raise unknown_model(model, [])
                 prompts = [list(request.prompt_ids)] * request.n
-                if streams:
+                if request.images:  # image features merged in the prefill (functions/vision/sampler.py)
+                    from tinkerless.functions.vision.sampler import VisionPrompt
+
+                    generations = self.worker.vision.sampler.generate(
+                        [VisionPrompt(p, list(request.images)) for p in prompts], sampling, policy=slot, seed=seed)
+                    top = [None] * len(generations)
+                elif streams:
                     generations = engine.generate(prompts, sampling, policy=slot, seed=seed, stream=stream,
                                                   top_logprobs=request.top_logprobs)
                     top = [g.top_logprobs for g in generations]
@@ -210,7 +223,7 @@ class ServeBackend:
             finally:
                 if kind == "adapter":
                     self.adapters.release(slot)
-            if stream is not None and not streams:  # an engine that only returns whole generations: replay them
+            if stream is not None and (not streams or request.images):  # whole generations: replay them
                 replay(stream, [(g.tokens, g.logprobs, t, g.stop_reason) for g, t in zip(generations, top)])
             self.cancelled_choices += sum(g.stop_reason == "cancelled" for g in generations)
             return [SampledChoice(g.tokens, g.logprobs, t, g.stop_reason == "stop") for g, t in zip(generations, top)]

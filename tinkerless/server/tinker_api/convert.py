@@ -50,8 +50,36 @@ def _tensor(msg, name: str) -> np.ndarray:
     return array
 
 
-def parse_forward_backward(body: bytes):
-    """The protobuf request body -> (model_id, seq_id, loss_fn, config dict, forward_only, datums)."""
+def image_chunk(data: bytes, image_format: str, expected_tokens: int | None, vision, where: str):
+    """A Tinker `ImageChunk` -> (its image tokens, the processed image): the image checked at the boundary
+    (`wire.content`), processed by the model's own image processor, its placeholder repeated to its token count."""
+    from tinkerless.wire.content import ImagePart, check_image
+
+    if vision is None:
+        raise UserError(f"{where}: an image chunk, and this server's model takes no images",
+                        hint="serve a vision-language model (docs/vision.md), or send token chunks only")
+    if image_format not in ("png", "jpeg"):
+        raise UserError(f"{where}: image format {str(image_format)[:20]!r} is not png or jpeg")
+    part = ImagePart(bytes(data), f"image/{image_format}")
+    check_image(part, where)
+    image = vision.process(part)
+    if expected_tokens is not None and expected_tokens != image.num_tokens:
+        raise UserError(f"{where}: the image is {image.num_tokens} tokens for this model, not the {expected_tokens} "
+                        "expected_tokens says", hint="leave expected_tokens unset, or set it to the model's count")
+    return [vision.image_token_id] * image.num_tokens, image
+
+
+def _count_image(before: int) -> None:
+    from tinkerless.wire.content import MAX_IMAGES_PER_REQUEST
+
+    if before >= MAX_IMAGES_PER_REQUEST:
+        raise UserError(f"the request holds more than {MAX_IMAGES_PER_REQUEST} image chunks",
+                        hint="split it into smaller requests")
+
+
+def parse_forward_backward(body: bytes, vision=None):
+    """The protobuf request body -> (model_id, seq_id, loss_fn, config dict, forward_only, datums); each datum is
+    (tokens, inputs, images): a vision-language model (`vision`, its `VisionProcessor`) takes image chunks."""
     request = pb().ForwardBackwardRequest()
     try:
         request.ParseFromString(body)
@@ -63,13 +91,22 @@ def parse_forward_backward(body: bytes):
     datums = []
     for i, datum in enumerate(request.data):
         tokens: list[np.ndarray] = []
+        images = []
         for chunk in datum.model_input:
             kind = chunk.WhichOneof("chunk")
+            if kind == "image":
+                _count_image(len(images) + sum(len(d[2]) for d in datums))
+                image = chunk.image
+                expected = image.expected_tokens if image.HasField("expected_tokens") else None
+                ids, processed = image_chunk(image.data, image.format, expected, vision, f"datum {i}")
+                tokens.append(np.asarray(ids, dtype=np.int32))
+                images.append(processed)
+                continue
             if kind != "encoded_text":
-                raise UserError(f"datum {i}: {kind} chunks are not supported", hint="send token chunks only")
+                raise UserError(f"datum {i}: {kind} chunks are not supported", hint="send token and image chunks")
             tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
         inputs = {name: _tensor(t, name) for name, t in datum.loss_fn_inputs.items()}
-        datums.append((np.concatenate(tokens) if tokens else np.zeros(0, np.int32), inputs))
+        datums.append((np.concatenate(tokens) if tokens else np.zeros(0, np.int32), inputs, images))
     return request.model_id, request.seq_id, request.loss_fn, config, request.forward_only, datums
 
 
@@ -224,17 +261,40 @@ def options(body: dict, key: str) -> dict:
 
 def model_input_tokens(model_input: dict) -> list[int]:
     """Tokens of a JSON ModelInput ({"chunks": [{"type": "encoded_text", "tokens": [...]}, ...]})."""
+    return model_input_with_images(model_input, None)[0]
+
+
+def model_input_with_images(model_input: dict, vision) -> tuple[list[int], list]:
+    """Tokens and processed images of a JSON ModelInput; image chunks ({"type": "image", "data": base64,
+    "format": "png" | "jpeg", "expected_tokens"}) only for a vision-language model (`vision`)."""
+    import base64
+    import binascii
+
     tokens: list[int] = []
+    images: list = []
     chunks = (model_input or {}).get("chunks", [])
     if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
         raise UserError("prompt.chunks must be a list of chunk objects", hint='send {"chunks": [{"tokens": [...]}]}')
     for chunk in chunks:
+        if chunk.get("type") == "image":
+            _count_image(len(images))
+            data, expected = chunk.get("data"), chunk.get("expected_tokens")
+            if not isinstance(data, str) or (expected is not None and (not isinstance(expected, int) or isinstance(expected, bool))):
+                raise UserError("an image chunk needs base64 'data' (and an integer 'expected_tokens', or none)")
+            try:
+                raw = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                raise UserError("an image chunk's data is not valid base64") from None
+            ids, image = image_chunk(raw, chunk.get("format"), expected, vision, "prompt")
+            tokens.extend(ids)
+            images.append(image)
+            continue
         if not isinstance(chunk.get("tokens", []), list):
             raise UserError("a prompt chunk's tokens must be a list of token ids")
         if chunk.get("type", "encoded_text") != "encoded_text":
             raise UserError(f"{chunk.get('type')} prompt chunks are not supported", hint="send token chunks only")
         tokens.extend(int(t) for t in chunk.get("tokens", []))
-    return tokens
+    return tokens, images
 
 
 ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -77,7 +77,9 @@ class SamplingCalls:
         if unsupported:
             raise UserError(f"sampling options {unsupported} are not supported by this server",
                             hint="see docs/tinker.md for the sampling options tinkerless implements")
-        prompt = convert.model_input_tokens(convert.options(body, "prompt"))
+        vision = self.worker.vision if getattr(self.worker, "vision", None) is not None else None
+        prompt, images = convert.model_input_with_images(convert.options(body, "prompt"),
+                                                         vision.processor if vision is not None else None)
         if not prompt:
             raise UserError("the prompt is empty", hint="send at least one token")
         num_samples = int(body.get("num_samples", 1))
@@ -90,6 +92,9 @@ class SamplingCalls:
         seed = int(seed) if seed is not None else secrets.randbelow(2**31)
         validate(SampleRequest("base", [prompt], num_samples, sampling, seed), vocab_size=self.worker.vocab_size)
         scoring = PromptScoring.parse(body, len(prompt), self.worker.vocab_size)
+        if images and scoring.needed:
+            raise UserError("prompt log-probs of a prompt with images are not supported yet",
+                            hint="sample without prompt_logprobs, or send the prompt without images")
         ids = [f"seq-{next(self._sequence_ids)}-{secrets.token_hex(4)}" for _ in range(num_samples)]
 
         def run() -> Proto:
@@ -98,7 +103,13 @@ class SamplingCalls:
             # samplers load snapshots, and must find its own adapter still there when it resumes.
             self._slots_in_use[policy] = self._slots_in_use.get(policy, 0) + 1
             try:
-                generations = self.worker.engine.generate([prompt] * num_samples, sampling, policy=policy, seed=seed)
+                if images:  # image features merged in the prefill (functions/vision/sampler.py)
+                    from tinkerless.functions.vision.sampler import VisionPrompt
+
+                    generations = vision.sampler.generate([VisionPrompt(prompt, images)] * num_samples, sampling,
+                                                          policy=policy, seed=seed)
+                else:
+                    generations = self.worker.engine.generate([prompt] * num_samples, sampling, policy=policy, seed=seed)
                 scores = scoring.compute(self.worker, policy, prompt, sampling.temperature, seed) if scoring.needed else None
             finally:
                 self._slots_in_use[policy] -= 1
