@@ -145,6 +145,7 @@ class _Run:
                     for i, name in enumerate(self.policies)
                 }
                 self._load_frozen_adapters()
+                self.teacher = self._open_teacher() if config.teacher else None
                 self._reader_versions: list[int] = []  # a resumed async run's readers, kept in its checkpoint
                 if start:
                     self._restore()
@@ -162,6 +163,14 @@ class _Run:
             if isinstance(exc, KeyboardInterrupt):
                 raise self._interrupted(exc) from None
             raise
+
+    def _open_teacher(self):
+        from tinkerless.sdk.run.distillation import open_teacher
+
+        teacher = open_teacher(self.config.teacher, model=self.config.model, backend=self.backend,
+                               namespace=self.namespace, host=self.host, usage=self.usage)
+        self._say(f"run {self.run_id}: distilling from {teacher.description}")
+        return teacher
 
     def _open_run(self) -> tuple[Coordinator, bool]:
         config = self.config
@@ -254,7 +263,8 @@ class _Run:
         if self.pipeline is not None:
             self.pipeline.close()
             self.readers.close()
-        free_policies([*self.clients.values(), *self._frozen_clients()])
+        free_policies([*self.clients.values(), *self._frozen_clients(), *self._teacher_clients()])
+        self._close_teacher()
         self.backend.close()
         outcomes = None
         if self.multi_agent:
@@ -287,6 +297,7 @@ class _Run:
         except KeyboardInterrupt:  # a second signal while marking it: the run is stopping anyway
             pass
         finally:
+            self._close_teacher()
             self.backend.close()
             if getattr(self, "trackers", None) is not None:  # their runs marked failed or killed; a resume reopens them
                 self.trackers.close(status, note=self.metrics.log)
@@ -330,6 +341,7 @@ class _Run:
         self.coordinator.begin_update(step)
         metrics: dict[str, dict] = {}
         versions: dict[str, int] = {}
+        self._teacher_columns: dict = {}
         for name, client in self.clients.items():
             self._event("update_start", name)
             own = [e for e in episodes if e.status != "error" and e.info.get("policy", "default") == name]
@@ -340,6 +352,7 @@ class _Run:
         self._event("committed", "*")
         record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started, self._rollout_stats)
         record["staleness"] = step - version_for(step, config.max_staleness)  # versions between sampler and update
+        record.update(self._teacher_columns)
         record.update(truncation.columns(episodes, config.turn_limit()))
         if warning := self.warnings.check(record):  # once per run each: the metrics line and the console say it
             record["warning"] = warning
@@ -401,7 +414,7 @@ class _Run:
 
     def _update(self, client: TrainingClient, episodes: list[Episode], timings: dict) -> tuple[dict, int]:
         config = self.config
-        data, loss = update_batch(client, episodes, config, self.usage, timings)
+        data, loss = update_batch(client, episodes, config, self.usage, timings, self.teacher, self._teacher_columns)
         if not data:  # every group had equal rewards: no signal, no step
             return {"trained_sequences": 0}, self._versions.get(client.policy, 0)
         t = time.perf_counter()
@@ -418,6 +431,17 @@ class _Run:
     def _frozen_clients(self) -> list[TrainingClient]:
         names = frozen_adapters(self.config.agents).values() if self.multi_agent else []
         return [TrainingClient(self.backend, name, create=False, namespace=self.namespace) for name in names]
+
+    def _teacher_clients(self) -> list[TrainingClient]:
+        """The teacher's adapter on the policy's worker, when it is a checkpoint (freed with the run's policies)."""
+        client = getattr(getattr(self, "teacher", None), "client", None)
+        return [client] if client is not None and client.namespace else []
+
+    def _close_teacher(self) -> None:
+        teacher = getattr(self, "teacher", None)
+        if teacher is not None:
+            teacher.close()
+            self.teacher = None
 
     def _load_frozen_adapters(self) -> None:
         from tinkerless.sdk.evaluation.evaluate import adapter_files
