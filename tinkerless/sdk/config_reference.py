@@ -43,6 +43,12 @@ FIELD_DOCS: dict[str, str] = {
     "clip_high": "Upper clip of the probability ratio (ppo, cispo): 1 + clip_high.",
     "tis_cap": "Truncated importance-sampling cap for the sampler/trainer mismatch; the trainer's log-probs come from the update's own pass (no extra forward). "
     "None: off.",
+    "teacher": "On-policy distillation (docs/distillation.md): a teacher scores every sampled token and the "
+    "per-token reverse KL is the advantage. `base`, a model id or directory, a checkpoint `RUN@STEP` / "
+    "`RUN@latest` (the student's own earlier one too), or an OpenAI-compatible endpoint URL returning prompt "
+    "log-probs. None: no teacher.",
+    "distill_coef": "Weight of the teacher's per-token term (teacher minus sampler log-prob) in the advantage; the "
+    "env reward's group advantage is added to it.",
     "kl_coef": "Weight of the k3 KL penalty to the base model (the adapter switched off); 0: no penalty.",
     "learning_rate": "Adam learning rate of the LoRA adapter.",
     "weight_decay": "AdamW weight decay.",
