@@ -153,12 +153,26 @@ def _align_turn(
         chunk.append(position)
         if end is None or end <= chunk_start or end not in inside:
             continue
-        teacher = [j for j, (a, b) in enumerate(offsets) if b > a and start + chunk_start < b <= start + end
-                   and teacher_ids[j] not in teacher_specials]
-        if teacher and offsets[teacher[0]][0] >= start + chunk_start:
+        teacher = _covering(offsets, start + chunk_start, start + end)
+        if teacher and not any(teacher_ids[j] in teacher_specials for j in teacher):
             units.append((chunk, teacher))
         chunk, chunk_start = [], end
     return units
+
+
+def _covering(offsets: list[tuple[int, int]], a: int, b: int) -> list[int] | None:
+    """The teacher tokens that spell exactly the characters [a, b); None if they do not (a token reaching
+    outside, or a gap). Byte-level tokenizers give every token of a multi-byte character that character's
+    span, so tokens may share a span; they may not leave a character uncovered."""
+    tokens = [j for j, (x, y) in enumerate(offsets) if y > x and x < b and y > a]
+    if not tokens or any(offsets[j][0] < a or offsets[j][1] > b for j in tokens):
+        return None
+    reached = a
+    for j in tokens:  # in order of the text
+        if offsets[j][0] > reached:
+            return None
+        reached = max(reached, offsets[j][1])
+    return tokens if reached == b else None
 
 
 def _closing_token(offsets: list[tuple[int, int]], teacher_ids: list[int], stop: int, specials: set[int]) -> int | None:
