@@ -17,6 +17,7 @@ from tinkerless.sdk.run.accounting import PriceTable
 from tinkerless.sdk.run.advantages import AdvantageConfig
 from tinkerless.sdk.run.agents import check_roles, seatings, trainable_policies
 from tinkerless.sdk.run.distillation import check_teacher
+from tinkerless.sdk.run.judging import split_reward
 from tinkerless.sdk.tracking.base import check_report_to
 
 # algo -> (advantage estimator, default loss normalization)
@@ -192,6 +193,8 @@ class TrainConfig:
             raise ConfigError(f"invalid run_id {self.run_id!r}", hint="letters, digits, '.', '_' and '-'")
         check_report_to(self.report_to)  # a tracker that is not installed fails here, before any model loads
         check_teacher(self.teacher, self.distill_coef)
+        if self.reward is not None:
+            split_reward(self.reward)  # a function, a tinkerless.judge(...), or a list of them
         if self.teacher is not None and self.env is not None and is_multi_agent(self.env):
             raise ConfigError("teacher= is for single-agent runs", hint="distill each policy in a run of its own")
         self.loss_config().validate()

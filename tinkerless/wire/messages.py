@@ -80,6 +80,20 @@ class ResetPolicyRequest:
 
 
 @dataclass
+class JudgeSpec:
+    """An LLM judge as a reward (`tinkerless.judge`; `functions/companions/judge.py` runs it beside the rollout)."""
+
+    rubric: str
+    mode: str = "pointwise"  # pointwise: each episode alone | group: a task's group ranked together (RULER-style)
+    model: str | None = None  # the judge model: None, the policy's base model; at an endpoint, the model's name there
+    endpoint: str | None = None  # an OpenAI-compatible base URL (http://host:port/v1); None: the policy's worker
+    weight: float = 1.0  # the reward is weight * score, the score in [0, 1]
+    timeout: float = 60.0  # seconds for one endpoint call; past them the episode is an infrastructure failure
+    retries: int = 2  # an unparseable endpoint reply is asked again this many times, then the episode is marked
+    max_tokens: int = 16  # the endpoint judge's reply length
+
+
+@dataclass
 class RolloutRequest:
     policy: str
     tasks: list[dict]
@@ -93,6 +107,7 @@ class RolloutRequest:
     agent: CodeBlob | None = None  # an @tinkerless.agent function: runs instead of the env/reward loop
     agent_timeout: float = 300.0  # seconds one agent copy may run before it is dropped as an error
     agent_transport: str = "asgi"  # asgi: in-process transport to the endpoint | http: loopback HTTP
+    judge: JudgeSpec | None = None  # an LLM judge whose weighted score is added to each episode's reward
 
 
 @dataclass

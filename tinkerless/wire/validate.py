@@ -240,6 +240,25 @@ def _agent_transport(value: Any, path: str) -> None:
         _fail(path, f"is {str(value)[:40]!r}, not 'asgi' or 'http'")
 
 
+def _judge_mode(value: Any, path: str) -> None:
+    if value not in ("pointwise", "group"):
+        _fail(path, f"is {str(value)[:40]!r}, not 'pointwise' or 'group'")
+
+
+def _endpoint_url(value: Any, path: str) -> None:
+    if value is not None and (not value.startswith(("http://", "https://")) or len(value) > 2000
+                              or any(c.isspace() or ord(c) < 32 for c in value)):
+        _fail(path, f"is {str(value)[:60]!r}, not an http(s) URL", "e.g. http://127.0.0.1:8000/v1")
+
+
+def _bounded_text(most: int) -> Callable[[Any, str], None]:
+    def rule(value: Any, path: str) -> None:
+        if value is not None and (not value.strip() or len(value) > most):
+            _fail(path, f"must be non-empty text of at most {most} characters")
+
+    return rule
+
+
 def _tagged(module: str, name: str) -> Callable[[Any, str], None]:
     def rule(value: Any, path: str) -> None:
         if (type(value).__module__, type(value).__qualname__) != (module, name):
@@ -276,6 +295,9 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
         m.MultiAgentRolloutRequest: {"group_size": count, "seed": seed, "tasks": _json,
                                      "protocol_timeout": between(0, 86400, low_open=True), "seats": _non_empty},
         m.Seat: {"policy": policy_name},
+        m.JudgeSpec: {"rubric": _bounded_text(20_000), "mode": _judge_mode, "model": _bounded_text(500),
+                      "endpoint": _endpoint_url, "weight": between(-1e6, 1e6), "timeout": between(0, 3600, low_open=True),
+                      "retries": between(0, 5), "max_tokens": between(1, 256)},
         m.ForwardRequest: {"policy": policy_name},
         m.ForwardBackwardRequest: {"policy": trainable_policy, "data": _non_empty, "loss": loss},
         m.OptimStepRequest: {"policy": trainable_policy},

@@ -336,6 +336,7 @@ class _Run:
             # global barrier: every policy's rollouts are in
             self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)
         timings["rollout_s"] = time.perf_counter() - started
+        judge_columns = self._judge_columns(timings["rollout_s"])
         check_errors(episodes, config, step)
 
         self.coordinator.begin_update(step)
@@ -353,6 +354,7 @@ class _Run:
         record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started, self._rollout_stats)
         record["staleness"] = step - version_for(step, config.max_staleness)  # versions between sampler and update
         record.update(self._teacher_columns)
+        record.update(judge_columns)
         record.update(truncation.columns(episodes, config.turn_limit()))
         if warning := self.warnings.check(record):  # once per run each: the metrics line and the console say it
             record["warning"] = warning
@@ -431,6 +433,21 @@ class _Run:
     def _frozen_clients(self) -> list[TrainingClient]:
         names = frozen_adapters(self.config.agents).values() if self.multi_agent else []
         return [TrainingClient(self.backend, name, create=False, namespace=self.namespace) for name in names]
+
+    def _judge_columns(self, rollout_s: float) -> dict:
+        """With a judge: its seconds move from the rollout phase to its own, and its share, cache hits and reading."""
+        stats = self._rollout_stats or {}
+        if self.requests.judge is None or "judge_questions" not in stats:
+            return {}
+        self.usage.move(stats.get("judge_s", 0.0), "rollout", "judge")
+        questions = stats["judge_questions"]
+        return {
+            "judge_s": stats.get("judge_s", 0.0),
+            "judge_share": stats.get("judge_s", 0.0) / rollout_s if rollout_s > 0 else 0.0,  # of the rollout's wall time
+            "judge_cache_hit_rate": stats.get("judge_cache_hits", 0.0) / questions if questions else float("nan"),
+            "judge_prompt_tokens": stats.get("judge_prompt_tokens", 0.0),
+            "judge_failed": stats.get("judge_failed", 0.0),
+        }
 
     def _teacher_clients(self) -> list[TrainingClient]:
         """The teacher's adapter on the policy's worker, when it is a checkpoint (freed with the run's policies)."""
