@@ -115,6 +115,7 @@ class TrainConfig:
     checkpoint_every: int = 5
     keep_checkpoints: int | None = 3
     on_env_error: str = "skip"  # skip | raise
+    infra_retries: int = 2  # times an episode that failed for an infrastructure reason is played again before it is dropped
     micro_batch_size: int = 16
     progress: bool = True
     transcripts_per_step: int = 4  # whole episodes sampled per step into runs/<id>/episodes.jsonl; 0 = none
@@ -146,6 +147,10 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be an integer (at least 1), got {value!r}")
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        retries = self.infra_retries
+        if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or not 0 <= retries <= 10:
+            raise ConfigError(f"infra_retries must be a whole number from 0 to 10, got {retries!r}",
+                              hint="how often an episode whose env server, judge or sandbox failed is played again")
         for name, most in (("max_staleness", 64), ("rollout_workers", 64)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= most:

@@ -83,6 +83,10 @@ FIELD_DOCS: dict[str, str] = {
     "keep_checkpoints": "How many newest checkpoints to keep; None keeps all.",
     "on_env_error": "`skip`: an episode whose env or reward raised is dropped (its traceback goes into "
     "metrics.jsonl); `raise`: the run stops.",
+    "infra_retries": "How many times an episode that failed for an infrastructure reason (its env server, judge, "
+    "sandbox or hosted agent failed: an `InfrastructureFailure`) is played again; one that still fails is dropped "
+    "from its group, whose advantages are computed over the episodes left, and counted as `episodes_infra_failed` "
+    "(never scored 0; docs/errors.md). 0 to 10.",
     "micro_batch_size": "Sequences per forward/backward pass in an update (gradients accumulate over them); "
     "lower it if memory runs out.",
     "progress": "Show the progress bar (`--no-progress` turns it off).",

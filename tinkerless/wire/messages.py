@@ -129,7 +129,7 @@ class Episode:
     reward: float = 0.0
     turn_rewards: list[float] = field(default_factory=list)
     num_turns: int = 0
-    status: str = "ok"  # ok | truncated | error
+    status: str = "ok"  # ok | truncated | error | infra_failed (see `infra_cause`)
     error: str | None = None
     traceback: str | None = None
     transcript: list[dict] = field(default_factory=list)
@@ -137,6 +137,9 @@ class Episode:
     # An agent that rewrote its context: its later calls are sequences of their own, trained with this
     # episode's advantage (the first sequence is tokens/mask/sampler_logprobs above).
     extra_sequences: list[TrainingSequence] = field(default_factory=list)
+    # status "infra_failed": why (errors.InfrastructureFailure.cause). Such an episode is never a reward: it is
+    # retried, then dropped from its group (docs/errors.md).
+    infra_cause: str | None = None
 
     def sequences(self) -> list[TrainingSequence]:
         """Every trained sequence of the episode: the first (tokens/mask/sampler_logprobs), then the extra ones."""
@@ -268,6 +271,7 @@ class ErrorReply:
     type: str
     traceback: str = ""
     hint: str | None = None
+    cause: str | None = None  # an InfrastructureFailure's cause tag (errors.infra_cause), so it is rebuilt with it
 
 
 @dataclass

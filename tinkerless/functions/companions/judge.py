@@ -357,13 +357,12 @@ def judge_episodes(
 
 
 def mark_failed(episode: Any, error: InfrastructureFailure) -> None:
-    """An episode the judge could not grade: an infrastructure failure, never a reward (its reward is NaN)."""
-    failed = "infra_failed" if hasattr(episode, "infra_cause") else "error"
-    episode.status = failed
+    """An episode the judge could not grade: an infrastructure failure (retried, then dropped from its group and
+    counted by the client: `sdk/run/infra_failures.py`), never a reward."""
+    episode.status = "infra_failed"
+    episode.infra_cause = error.cause
     episode.error = f"judge: {type(error).__name__}: {error.message}"
     episode.reward = math.nan
-    if hasattr(episode, "infra_cause"):
-        episode.infra_cause = error.cause
 
 
 def same_model(a: str, b: str) -> bool:

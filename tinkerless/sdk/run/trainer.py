@@ -49,7 +49,7 @@ from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors
 from tinkerless.sdk.run.rollouts import step_seed as _step_seed
 from tinkerless.sdk.run.step_metrics import agent_metrics, agent_result_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
-from tinkerless.sdk.run import truncation
+from tinkerless.sdk.run import infra_failures, truncation
 from tinkerless.sdk.run.step_warnings import StepWarnings
 from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE, episode_record
@@ -246,6 +246,8 @@ class _Run:
                     progress.warn(record["warning"])
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
+                if dropped := infra_failures.describe(record, config.infra_retries):
+                    progress.warn(dropped)
             with uninterrupted(), self.usage.phase("storage"):
                 self.checkpoints.finish()  # the last checkpoint is committed before the run is finished
             progress.close()
@@ -337,6 +339,8 @@ class _Run:
             self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)
         timings["rollout_s"] = time.perf_counter() - started
         judge_columns = self._judge_columns(timings["rollout_s"])
+        # Infrastructure failures left after their retries are out of the step: not errors, not rewards.
+        episodes, dropped = infra_failures.split(episodes, step, config.infra_retries)  # out of the step: not rewards
         check_errors(episodes, config, step)
 
         self.coordinator.begin_update(step)
@@ -355,7 +359,7 @@ class _Run:
         record["staleness"] = step - version_for(step, config.max_staleness)  # versions between sampler and update
         record.update(self._teacher_columns)
         record.update(judge_columns)
-        record.update(truncation.columns(episodes, config.turn_limit()))
+        record.update({**infra_failures.columns(dropped, self._rollout_stats), **truncation.columns(episodes, config.turn_limit())})
         if warning := self.warnings.check(record):  # once per run each: the metrics line and the console say it
             record["warning"] = warning
         if self.multi_agent:
@@ -363,7 +367,8 @@ class _Run:
         record.update(agent_result_metrics(episodes))
         limits = self.requests.limits()
         self._step_episodes = []  # the transcripts episodes.jsonl gets, and the trackers' tables
-        for episode in sample_episodes(episodes, config.transcripts_per_step):
+        # Every dropped episode is written, whatever the sample: its cause is what a user reads to see what failed.
+        for episode in [*sample_episodes(episodes, config.transcripts_per_step), *dropped]:
             task = tasks[episode.task_index] if 0 <= episode.task_index < len(tasks) else None
             self._step_episodes.append(episode_record(episode, limits, step=step, task=task))
             self.transcripts.log(self._step_episodes[-1])
@@ -393,16 +398,16 @@ class _Run:
             episodes, stats = play_step(self.seats, lambda seats, i: self.requests.multi_agent(tasks, step, seats, i),
                                         view.rollout_multi, None, step, lambda event, policy: None)
             return tasks, self._play_cursor, episodes, stats
-        result = view.rollout(self.requests.single_agent(tasks, step))
+        result = infra_failures.play(view.rollout, self.requests.single_agent(tasks, step), self.config.infra_retries)
         return tasks, self._play_cursor, result.episodes, result.stats
 
     def _rollouts(self, tasks: list[dict]) -> list[Episode]:
-        result = self.clients["default"].rollout(self.requests.single_agent(tasks, self.step))
+        request = self.requests.single_agent(tasks, self.step)
+        result = infra_failures.play(self.clients["default"].rollout, request, self.config.infra_retries)
         self._rollout_stats = result.stats  # where the rollout's seconds and tokens went, for the metrics
-        episodes = result.episodes
         self.coordinator.submit_rollout(self.step, "default")
         self._event("rollouts_in", "default")
-        return episodes
+        return result.episodes
 
     def _multi_agent_rollouts(self, tasks: list[dict]) -> list[Episode]:
         def make_request(seats, index):
