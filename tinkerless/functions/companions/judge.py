@@ -307,13 +307,19 @@ def judge_episodes(
         asked = [(e, pointwise_prompt(spec, judge_model, e.transcript)) for e in live]
     stats.questions = len(asked)
     verdicts: dict[int, Verdict | InfrastructureFailure] = {}
-    missing = []
+    missing: list[int] = []  # the questions the judge is asked: not cached, and each only once in the batch
+    repeats: dict[int, int] = {}  # a question asked twice in this batch -> the one asked
+    first_asked: dict[str, int] = {}
     for n, (_, prompt) in enumerate(asked):
         cached = cache.get(prompt.key)
         if cached is not None:
             verdicts[n] = cached
             stats.cache_hits += 1
+        elif prompt.key in first_asked:
+            repeats[n] = first_asked[prompt.key]
+            stats.cache_hits += 1
         else:
+            first_asked[prompt.key] = n
             missing.append(n)
     if missing and score_tokens is not None:
         try:
@@ -333,6 +339,8 @@ def judge_episodes(
                 verdicts[n] = endpoint_verdict(spec, asked[n][1])
             except InfrastructureFailure as exc:
                 verdicts[n] = exc
+    for n, first in repeats.items():
+        verdicts[n] = verdicts[first]
     for n, (episode, prompt) in enumerate(asked):
         verdict = verdicts[n]
         record = {"model": judge_model, "mode": spec.mode, "prompt": prompt.as_text(), "cached": n not in missing}
