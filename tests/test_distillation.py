@@ -4,11 +4,13 @@ group advantage by `distill_coef`; a killed and resumed OPD run ends with the un
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -154,8 +156,6 @@ def test_a_killed_and_resumed_distillation_run_ends_identical_to_an_uninterrupte
         runs[name] = where
     cmd = lambda where, *extra: [*CLI, "train", str(example), "--storage", str(where), "--run-id", "r",  # noqa: E731
                                  "--no-progress", "--teacher", "T@2", "--distill-coef", "0.5", *extra]
-    done = subprocess.run(cmd(runs["straight"]), env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
     proc = subprocess.Popen(cmd(runs["killed"]), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while _latest(runs["killed"]) < 2 and proc.poll() is None and time.monotonic() < deadline:
@@ -166,6 +166,12 @@ def test_a_killed_and_resumed_distillation_run_ends_identical_to_an_uninterrupte
     assert 2 <= _latest(runs["killed"]) < steps
     done = subprocess.run(cmd(runs["killed"], "--resume"), env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
+    # The uninterrupted run, in this process with the subprocesses' one thread (the same float sums).
+    from tinkerless.sdk.cli.commands import load_config
+
+    config = load_config(str(example)).replace(storage=str(runs["straight"]), run_id="r", progress=False, threads=1,
+                                                teacher="T@2", distill_coef=0.5)
+    tinkerless.train(config)
 
     def final(where: Path) -> dict:
         return load_safetensors((where / f"runs/r/checkpoints/step-{steps}/adapter/adapter_model.safetensors").read_bytes())
@@ -177,3 +183,80 @@ def test_a_killed_and_resumed_distillation_run_ends_identical_to_an_uninterrupte
     lines = lambda where: [json.loads(l) for l in (where / "runs/r/metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert [r["step"] for r in lines(runs["killed"])] == list(range(steps))
     assert [r["teacher_logprob_gap"] for r in lines(runs["killed"])] == [r["teacher_logprob_gap"] for r in lines(runs["straight"])]
+
+
+class _PromptScores(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible /v1/completions that scores prompts (echo=true, logprobs, max_tokens=0) with a real
+    model, as vLLM answers; a prompt holding 'STALL' is never answered."""
+
+    worker = None
+
+    def do_POST(self):  # noqa: N802 - the http.server API
+        from tinkerless.wire.messages import Datum, ForwardRequest
+
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if "STALL" in body["prompt"]:
+            time.sleep(2)
+            return
+        tokenizer = self.worker.tokenizer
+        encoding = tokenizer(body["prompt"], add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(encoding["input_ids"], dtype=np.int32)
+        logprobs = self.worker.forward(ForwardRequest("base", [Datum(ids, np.zeros(len(ids), np.float32))])).logprobs[0]
+        scored = {"tokens": tokenizer.convert_ids_to_tokens(encoding["input_ids"]),
+                  "token_logprobs": [None, *map(float, logprobs[1:])],
+                  "text_offset": [int(a) for a, _ in encoding["offset_mapping"]]}
+        reply = json.dumps({"choices": [{"text": body["prompt"], "logprobs": scored}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_teacher_at_an_openai_endpoint_scores_every_sampled_token(setup):
+    """The endpoint serves the student's own base model: the advantages of aligned tokens are zero. The tiny
+    random student draws bytes that are no UTF-8, which the endpoint (reading text) cannot score as drawn:
+    those are masked, the rest aligned."""
+    from tinkerless.errors import InfrastructureFailure
+    from tinkerless.functions.companions.endpoint import EndpointScorer
+    from tinkerless.functions.worker import Worker
+
+    model, storage = setup
+    _PromptScores.worker = Worker(model)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PromptScores)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/v1"
+    try:
+        backend = Recording(model)
+        result = tinkerless.train(model=model, teacher=url + "#model=tiny", steps=1, backend=backend,
+                                  storage=str(storage), **SETTINGS)
+        data = [d for update in backend.updates for d in update.data]
+        assert data and 0.0 < result.metrics[0]["teacher_aligned_share"] <= 1.0
+        for datum in data:
+            np.testing.assert_allclose(datum.advantages[datum.mask > 0], 0.0, atol=2e-5)
+        # A reply in valid UTF-8 (multi-byte characters included) aligns token for token, with the model's log-probs.
+        worker = _PromptScores.worker
+        prompt = worker.chat.prompt_tokens([{"role": "user", "content": "Say something."}])
+        reply = list("Voilà: 12 × 7 = 84 😀".encode()) + [worker.chat.end_of_turn_id]
+        tokens = np.asarray(prompt + reply, dtype=np.int32)
+        mask = np.asarray([0.0] * len(prompt) + [1.0] * len(reply), dtype=np.float32)
+        scorer = EndpointScorer(url, worker.tokenizer, timeout=0.3)
+        rendering, logprobs = scorer.align(tokens, mask)
+        assert sorted(p for unit, _ in rendering.units for p in unit) == list(range(len(prompt), len(tokens)))
+        from tinkerless.wire.messages import Datum, ForwardRequest
+
+        expected = worker.forward(ForwardRequest("base", [Datum(tokens, mask)])).logprobs[0]
+        for unit, teacher in rendering.units:
+            assert logprobs[teacher].sum() == pytest.approx(expected[unit].sum(), abs=1e-5)
+        with pytest.raises(InfrastructureFailure) as failure:
+            scorer.prompt_logprobs("STALL")
+        assert failure.value.cause == "teacher_timeout"
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(InfrastructureFailure) as failure:
+        EndpointScorer(url, None, timeout=1).prompt_logprobs("hello")  # nothing listens there now
+    assert failure.value.cause == "teacher_failed"

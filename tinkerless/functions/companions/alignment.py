@@ -12,7 +12,8 @@ turn are matched to the teacher's by character spans:
   chunk sum to log p_teacher(chunk) - log p_student(chunk), the chunk's reverse-KL term;
 * the student's end-of-turn token pairs with the teacher's, when the teacher's template closes the turn with
   a special token right after the content;
-* anything else cannot be aligned: a turn the template rewrites (so its text is not found), a teacher token
+* anything else cannot be aligned: bytes the student drew that are no UTF-8, and the rest of their turn (the
+  teacher would read the replacement character's bytes instead, so its history differs), a turn the template rewrites (so its text is not found), a teacher token
   that straddles the turn's edge, a zero-width token inside a turn, tokens after the last common boundary.
   Those tokens are masked (they do not train) and counted.
 
@@ -26,6 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+
+# What decoding writes for bytes that are no UTF-8: the teacher would read (and score) this character's own
+# bytes, not the ones the student drew, so from the first one on the rest of the turn is not aligned (the
+# teacher's history there is not the student's).
+UNREADABLE = "\ufffd"
 
 
 @dataclass
@@ -153,6 +160,8 @@ def _align_turn(
         chunk.append(position)
         if end is None or end <= chunk_start or end not in inside:
             continue
+        if UNREADABLE in text[chunk_start:end]:
+            break  # past bytes that are no text the two histories differ: the rest of the turn is not aligned
         teacher = _covering(offsets, start + chunk_start, start + end)
         if teacher and not any(teacher_ids[j] in teacher_specials for j in teacher):
             units.append((chunk, teacher))

@@ -161,6 +161,32 @@ class AligningTeacher(Teacher):
         return _regroup(episodes, where, scores)
 
 
+class EndpointTeacher(Teacher):
+    """A teacher at an OpenAI-compatible endpoint: each sequence's text scored there (prompt log-probs), its
+    tokens paired with the student's by character spans (`functions.companions.endpoint`)."""
+
+    same_tokenizer = False
+
+    def __init__(self, spec: str, student_tokenizer: Any, **options: Any):
+        from tinkerless.functions.companions.endpoint import EndpointScorer
+
+        self.scorer = EndpointScorer(spec, student_tokenizer, **options)
+        self.description = self.scorer.description
+
+    def score(self, episodes: list[Episode]) -> list[list[SequenceScores]]:
+        from tinkerless.functions.companions.alignment import map_back
+
+        out = []
+        for episode in episodes:
+            scores = []
+            for sequence in episode.sequences():
+                rendering, logprobs = self.scorer.align(sequence.tokens, sequence.mask)
+                lp, aligned = map_back(rendering, logprobs, sequence.sampler_logprobs, len(sequence.tokens))
+                scores.append(SequenceScores(lp, aligned))
+            out.append(scores)
+        return out
+
+
 def open_teacher(spec: str, *, model: str, backend: Any, namespace: str, host: Any, usage: Any) -> Teacher:
     """The run's teacher, loaded where it runs (see the module docstring)."""
     from tinkerless.sdk.backends.client import TrainingClient
@@ -169,8 +195,6 @@ def open_teacher(spec: str, *, model: str, backend: Any, namespace: str, host: A
     spec = spec.strip()
     kind = teacher_kind(spec)
     if kind == "endpoint":
-        from tinkerless.functions.companions.endpoint import EndpointTeacher
-
         return EndpointTeacher(spec, _tokenizer(model))
     if kind == "base" or (kind == "model" and same_model(spec, model)):
         return ForwardTeacher(TrainingClient(backend, BASE_POLICY, create=False), f"the base model {model}")
