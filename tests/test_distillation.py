@@ -260,3 +260,18 @@ def test_a_teacher_at_an_openai_endpoint_scores_every_sampled_token(setup):
     with pytest.raises(InfrastructureFailure) as failure:
         EndpointScorer(url, None, timeout=1).prompt_logprobs("hello")  # nothing listens there now
     assert failure.value.cause == "teacher_failed"
+
+
+def test_distillation_through_tinkerless_serve_matches_the_local_run(setup, tmp_path):
+    """On a server the checkpoint teacher is a second adapter of the served model: the same numbers as locally."""
+    from tinkerless.functions.worker import Worker
+    from tinkerless.server import create_app, serve_in_thread
+
+    model, storage = setup
+    local = tinkerless.train(model=model, teacher="T@2", steps=1, run_id="local", storage=str(storage), **SETTINGS)
+    with serve_in_thread(create_app(Worker(model), storage=str(tmp_path))) as url:
+        tinkerless.train(model=model, reward=vowels, run_id="T", steps=2, backend=url, **SETTINGS)  # the teacher there
+        served = tinkerless.train(model=model, teacher="T@2", steps=1, backend=url, run_id="served", **SETTINGS)
+    for key in ("teacher_logprob_gap", "teacher_aligned_tokens", "loss", "reward_mean"):
+        assert served.metrics[0][key] == pytest.approx(local.metrics[0][key], abs=1e-6), key
+    assert served.usage["compute_seconds"]["teacher"] > 0
