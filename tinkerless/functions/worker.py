@@ -270,54 +270,16 @@ class Worker:
                 code_cache=self._code_cache, check_policy=self._policy, judge=self._judge,
             )
 
-    # ---- an LLM judge beside the rollout (functions/companions/judge.py) --------------------
     def _judge(self, episodes: list, spec: Any) -> dict:
-        from tinkerless.functions.companions import judge as judging
-        if spec.endpoint is None and spec.model is not None and not judging.same_model(spec.model, self.model_name):
-            raise UserError(
-                f"judge model {spec.model!r} is not this worker's model {self.model_name!r}",
-                hint="leave model= out to judge with the policy's base model on this worker, or serve the judge "
-                "elsewhere and pass endpoint='http://host:port/v1' (with model= its name there)",
-            )
-        if spec.endpoint is not None and self.user_code_hosts is not None:
-            raise UserError("a shared server calls no tenant's endpoint", hint="judge on the server's own model "
-                            "(leave endpoint= out), or run the judge from your client")
-        if not hasattr(self, "judge_cache"):
-            self.judge_cache = judging.VerdictCache()
-        stats = judging.judge_episodes(
-            episodes, spec, judge_model=spec.model or (spec.endpoint or self.model_name), cache=self.judge_cache,
-            score_tokens=None if spec.endpoint else self._next_token_logprobs, tokenizer=self.tokenizer,
-            render=self.chat.render, fail=judging.mark_failed,
-        )
-        return stats.as_stats()
+        """Grade a rollout's episodes with an LLM judge beside it (functions/companions/judge.py)."""
+        from tinkerless.functions.companions.judge import judge_on_worker
+
+        return judge_on_worker(self, episodes, spec)
 
     def _next_token_logprobs(self, prompts: list[list[int]]) -> Any:
-        """The base model's log-probs of the token after each prompt ([n, vocab]), in micro-batches: the judge's
-        verdict distribution. Rows are right-padded; a causal model never lets a real token see a pad."""
-        import numpy as np
+        from tinkerless.functions.companions.judge import next_token_logprobs
 
-        out = []
-        with torch.no_grad(), self._activate(BASE_POLICY):
-            for first in range(0, len(prompts), self.micro_batch_size):
-                chunk = prompts[first:first + self.micro_batch_size]
-                width = max(len(p) for p in chunk)
-                ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-                for row, prompt in enumerate(chunk):
-                    ids[row, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
-                lasts = sorted({len(p) - 1 for p in chunk})
-                logits = self.model(input_ids=ids.to(self.device), use_cache=False,
-                                    logits_to_keep=torch.as_tensor(lasts, device=self.device)).logits
-                picked = torch.stack([logits[row, lasts.index(len(p) - 1)] for row, p in enumerate(chunk)])
-                out.append(torch.log_softmax(picked.float(), dim=-1).cpu().numpy())
-        return np.concatenate(out)
-
-    def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
-        """Play multi-agent games; one episode per game and model-played role."""
-        with self._hosted_code():
-            return rollout_requests.rollout_multi(
-                request, engine=self.engine, chat=self.chat, hosts=self.user_code_hosts, code_cache=self._code_cache,
-                check_policy=self._policy,
-            )
+        return next_token_logprobs(self, prompts)
 
     @contextlib.contextmanager
     def _hosted_code(self):

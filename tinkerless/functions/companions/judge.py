@@ -364,6 +364,51 @@ def judge_episodes(
     return stats
 
 
+def judge_on_worker(worker: Any, episodes: list[Any], spec: JudgeSpec) -> dict:
+    """`judge_episodes` on a worker: its base model (adapters off) as the judge, or an endpoint; its cache."""
+    from tinkerless.errors import UserError
+
+    if spec.endpoint is None and spec.model is not None and not same_model(spec.model, worker.model_name):
+        raise UserError(
+            f"judge model {spec.model!r} is not this worker's model {worker.model_name!r}",
+            hint="leave model= out to judge with the policy's base model on this worker, or serve the judge "
+            "elsewhere and pass endpoint='http://host:port/v1' (with model= its name there)",
+        )
+    if spec.endpoint is not None and worker.user_code_hosts is not None:
+        raise UserError("a shared server calls no tenant's endpoint", hint="judge on the server's own model "
+                        "(leave endpoint= out), or run the judge from your client")
+    if getattr(worker, "judge_cache", None) is None:
+        worker.judge_cache = VerdictCache()
+    stats = judge_episodes(
+        episodes, spec, judge_model=spec.model or (spec.endpoint or worker.model_name), cache=worker.judge_cache,
+        score_tokens=None if spec.endpoint else worker._next_token_logprobs, tokenizer=worker.tokenizer,
+        render=worker.chat.render, fail=mark_failed,
+    )
+    return stats.as_stats()
+
+
+def next_token_logprobs(worker: Any, prompts: list[list[int]]) -> np.ndarray:
+    """The worker's base model's log-probs of the token after each prompt ([n, vocab]), in micro-batches: the
+    judge's verdict distribution. Rows are right-padded; a causal model never lets a real token see a pad."""
+    import torch
+
+    from tinkerless.wire.messages import BASE_POLICY
+
+    out = []
+    with torch.no_grad(), worker._activate(BASE_POLICY):
+        for first in range(0, len(prompts), worker.micro_batch_size):
+            chunk = prompts[first:first + worker.micro_batch_size]
+            ids = torch.full((len(chunk), max(len(p) for p in chunk)), worker.pad_id, dtype=torch.long)
+            for row, prompt in enumerate(chunk):
+                ids[row, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+            lasts = sorted({len(p) - 1 for p in chunk})
+            logits = worker.model(input_ids=ids.to(worker.device), use_cache=False,
+                                  logits_to_keep=torch.as_tensor(lasts, device=worker.device)).logits
+            picked = torch.stack([logits[row, lasts.index(len(p) - 1)] for row, p in enumerate(chunk)])
+            out.append(torch.log_softmax(picked.float(), dim=-1).cpu().numpy())
+    return np.concatenate(out)
+
+
 def mark_failed(episode: Any, error: InfrastructureFailure) -> None:
     """An episode the judge could not grade: an infrastructure failure (retried, then dropped from its group and
     counted by the client: `sdk/run/infra_failures.py`), never a reward."""

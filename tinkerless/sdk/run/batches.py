@@ -20,18 +20,18 @@ from tinkerless.wire.messages import Datum, Episode
 
 def update_batch(
     client: TrainingClient, episodes: list[Episode], config: TrainConfig, usage: RunUsage, timings: dict,
-    teacher: Teacher | None = None, columns: dict | None = None,
+    teacher: Teacher | None = None,
 ) -> tuple[list[Datum], LossConfig]:
     """The `Datum`s `client`'s policy trains on for `episodes` and the loss to train them with (no data: no signal).
-    With a `teacher`, its forward runs first (the run's `teacher` phase) and its metrics go into `columns`."""
+    With a `teacher`, its forward runs first (the run's `teacher` phase) and its metrics join `timings` (the
+    step's record takes them from there)."""
     scores = None
     if teacher is not None and episodes:
         t = time.perf_counter()
         with usage.phase("teacher"):
             scores = teacher.score(episodes)
         timings["teacher_s"] = timings.get("teacher_s", 0.0) + time.perf_counter() - t
-        if columns is not None:
-            columns.update(teacher_columns(episodes, scores))
+        timings.update(teacher_columns(episodes, scores))
     data = datums(episodes, config.advantage_config(), scores, config.distill_coef)
     loss = config.loss_config()
     if config.tis_cap is not None:

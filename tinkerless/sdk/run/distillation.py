@@ -84,9 +84,6 @@ class Teacher:
     def score(self, episodes: list[Episode]) -> list[list[SequenceScores]]:
         raise NotImplementedError
 
-    def close(self) -> None:
-        pass
-
 
 def _sequence_datums(episodes: list[Episode]) -> tuple[list[Datum], list[tuple[int, int]]]:
     data, where = [], []
@@ -187,8 +184,24 @@ class EndpointTeacher(Teacher):
         return out
 
 
-def open_teacher(spec: str, *, model: str, backend: Any, namespace: str, host: Any, usage: Any) -> Teacher:
-    """The run's teacher, loaded where it runs (see the module docstring)."""
+def open_teacher(config: Any, backend: Any, namespace: str, host: Any, usage: Any, say: Any = print) -> Teacher | None:
+    """A run's teacher (None without one), loaded where it runs, its seconds metered as `usage`'s teacher phase."""
+    if config.teacher is None:
+        return None
+    teacher = load_teacher(config.teacher, model=config.model, backend=backend, namespace=namespace, host=host,
+                           usage=usage)
+    say(f"distilling from {teacher.description}")
+    return teacher
+
+
+def teacher_clients(teacher: Teacher | None) -> list[Any]:
+    """The teacher's adapter on the policy's worker when it is a checkpoint: freed with the run's policies."""
+    client = getattr(teacher, "client", None)
+    return [client] if client is not None and client.namespace else []
+
+
+def load_teacher(spec: str, *, model: str, backend: Any, namespace: str, host: Any, usage: Any) -> Teacher:
+    """The teacher `spec` names, loaded where it runs (see the module docstring)."""
     from tinkerless.sdk.backends.client import TrainingClient
     from tinkerless.sdk.checkpoints.checkpoint_ref import same_model
 
@@ -260,8 +273,7 @@ def _second_model(spec: str, model: str, backend: Any, usage: Any) -> Teacher:
     else:
         teacher = AligningTeacher(lambda data: client.forward(data).logprobs, student_tokenizer, teacher_tokenizer,
                                   description)
-    teacher.close = teacher_backend.close  # type: ignore[method-assign]
-    return teacher
+    return teacher  # the second worker holds no processes of its own: it goes with the run
 
 
 def _same_vocabulary(a: Any, b: Any) -> bool:

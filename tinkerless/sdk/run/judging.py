@@ -72,3 +72,20 @@ def split_reward(reward: Any) -> tuple[Callable | None, JudgeSpec | None]:
         check_judge(judge_spec)
     fn = None if not code else code[0] if len(code) == 1 else SumOfRewards(code)
     return fn, (judges[0] if judges else None)
+
+
+def step_columns(spec: JudgeSpec | None, stats: dict | None, rollout_s: float, usage: Any) -> dict:
+    """With a judge: its seconds move from the rollout phase to its own (`usage`), and the step's columns: its
+    seconds, its share of the rollout's wall time, the cache hit rate, the tokens it read, the verdicts it failed."""
+    stats = stats or {}
+    if spec is None or "judge_questions" not in stats:
+        return {}
+    usage.move(stats.get("judge_s", 0.0), "rollout", "judge")
+    questions = stats["judge_questions"]
+    return {
+        "judge_s": stats.get("judge_s", 0.0),
+        "judge_share": stats.get("judge_s", 0.0) / rollout_s if rollout_s > 0 else 0.0,
+        "judge_cache_hit_rate": stats.get("judge_cache_hits", 0.0) / questions if questions else math.nan,
+        "judge_prompt_tokens": stats.get("judge_prompt_tokens", 0.0),
+        "judge_failed": stats.get("judge_failed", 0.0),
+    }

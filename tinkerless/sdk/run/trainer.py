@@ -1,14 +1,12 @@
 """`train()`: the RL loop, driven from the client, identical for every backend.
 
-Per step: rollout (functions) → group-relative advantages (client) →
-optional forward for TIS/KL (functions) → update (functions) → commit
-(coordinator) → metrics and, every N steps, a verified checkpoint (storage).
-The coordinator and checkpoints live where the `RunHost` says: in `storage`, or on
-the `tinkerless serve` server the backend talks to.
-The backend's compute seconds are attributed to the phase they ran in and priced
-(`accounting.RunUsage`): per step in the metrics, per run in the coordinator summary.
-What the loop sends and keeps lives beside it: the rollout requests (`rollouts`), a policy's
-update data (`batches`), what a checkpoint holds and how a resume reads it (`checkpointing`).
+Per step: rollout (functions) → group-relative advantages (client; with a teacher, its per-token term) →
+optional forward for TIS/KL (functions) → update (functions) → commit (coordinator) → metrics and, every N
+steps, a verified checkpoint (storage). The coordinator and checkpoints live where the `RunHost` says: in
+`storage`, or on the `tinkerless serve` server the backend talks to. The backend's compute seconds are
+attributed to the phase they ran in and priced (`accounting.RunUsage`): per step in the metrics, per run in
+the coordinator summary. What the loop sends and keeps lives beside it: the rollout requests (`rollouts`), a
+policy's update data (`batches`), what a checkpoint holds and how a resume reads it (`checkpointing`).
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors
 from tinkerless.sdk.run.rollouts import step_seed as _step_seed
 from tinkerless.sdk.run.step_metrics import agent_metrics, agent_result_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
-from tinkerless.sdk.run import infra_failures, truncation
+from tinkerless.sdk.run import distillation, infra_failures, judging, truncation
 from tinkerless.sdk.run.step_warnings import StepWarnings
 from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE, episode_record
@@ -145,7 +143,7 @@ class _Run:
                     for i, name in enumerate(self.policies)
                 }
                 self._load_frozen_adapters()
-                self.teacher = self._open_teacher() if config.teacher else None
+                self.teacher = distillation.open_teacher(config, self.backend, self.namespace, self.host, self.usage, self._say)
                 self._reader_versions: list[int] = []  # a resumed async run's readers, kept in its checkpoint
                 if start:
                     self._restore()
@@ -163,14 +161,6 @@ class _Run:
             if isinstance(exc, KeyboardInterrupt):
                 raise self._interrupted(exc) from None
             raise
-
-    def _open_teacher(self):
-        from tinkerless.sdk.run.distillation import open_teacher
-
-        teacher = open_teacher(self.config.teacher, model=self.config.model, backend=self.backend,
-                               namespace=self.namespace, host=self.host, usage=self.usage)
-        self._say(f"run {self.run_id}: distilling from {teacher.description}")
-        return teacher
 
     def _open_run(self) -> tuple[Coordinator, bool]:
         config = self.config
@@ -265,8 +255,7 @@ class _Run:
         if self.pipeline is not None:
             self.pipeline.close()
             self.readers.close()
-        free_policies([*self.clients.values(), *self._frozen_clients(), *self._teacher_clients()])
-        self._close_teacher()
+        free_policies([*self.clients.values(), *self._frozen_clients(), *distillation.teacher_clients(self.teacher)])
         self.backend.close()
         outcomes = None
         if self.multi_agent:
@@ -299,7 +288,6 @@ class _Run:
         except KeyboardInterrupt:  # a second signal while marking it: the run is stopping anyway
             pass
         finally:
-            self._close_teacher()
             self.backend.close()
             if getattr(self, "trackers", None) is not None:  # their runs marked failed or killed; a resume reopens them
                 self.trackers.close(status, note=self.metrics.log)
@@ -338,7 +326,6 @@ class _Run:
             # global barrier: every policy's rollouts are in
             self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)
         timings["rollout_s"] = time.perf_counter() - started
-        judge_columns = self._judge_columns(timings["rollout_s"])
         # Infrastructure failures left after their retries are out of the step: not errors, not rewards.
         episodes, dropped = infra_failures.split(episodes, step, config.infra_retries)  # out of the step: not rewards
         check_errors(episodes, config, step)
@@ -346,7 +333,6 @@ class _Run:
         self.coordinator.begin_update(step)
         metrics: dict[str, dict] = {}
         versions: dict[str, int] = {}
-        self._teacher_columns: dict = {}
         for name, client in self.clients.items():
             self._event("update_start", name)
             own = [e for e in episodes if e.status != "error" and e.info.get("policy", "default") == name]
@@ -357,9 +343,8 @@ class _Run:
         self._event("committed", "*")
         record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started, self._rollout_stats)
         record["staleness"] = step - version_for(step, config.max_staleness)  # versions between sampler and update
-        record.update(self._teacher_columns)
-        record.update(judge_columns)
-        record.update({**infra_failures.columns(dropped, self._rollout_stats), **truncation.columns(episodes, config.turn_limit())})
+        record.update({**infra_failures.columns(dropped, self._rollout_stats), **truncation.columns(episodes, config.turn_limit()),
+                       **judging.step_columns(self.requests.judge, self._rollout_stats, timings["rollout_s"], self.usage)})
         if warning := self.warnings.check(record):  # once per run each: the metrics line and the console say it
             record["warning"] = warning
         if self.multi_agent:
@@ -421,7 +406,7 @@ class _Run:
 
     def _update(self, client: TrainingClient, episodes: list[Episode], timings: dict) -> tuple[dict, int]:
         config = self.config
-        data, loss = update_batch(client, episodes, config, self.usage, timings, self.teacher, self._teacher_columns)
+        data, loss = update_batch(client, episodes, config, self.usage, timings, self.teacher)
         if not data:  # every group had equal rewards: no signal, no step
             return {"trained_sequences": 0}, self._versions.get(client.policy, 0)
         t = time.perf_counter()
@@ -438,32 +423,6 @@ class _Run:
     def _frozen_clients(self) -> list[TrainingClient]:
         names = frozen_adapters(self.config.agents).values() if self.multi_agent else []
         return [TrainingClient(self.backend, name, create=False, namespace=self.namespace) for name in names]
-
-    def _judge_columns(self, rollout_s: float) -> dict:
-        """With a judge: its seconds move from the rollout phase to its own, and its share, cache hits and reading."""
-        stats = self._rollout_stats or {}
-        if self.requests.judge is None or "judge_questions" not in stats:
-            return {}
-        self.usage.move(stats.get("judge_s", 0.0), "rollout", "judge")
-        questions = stats["judge_questions"]
-        return {
-            "judge_s": stats.get("judge_s", 0.0),
-            "judge_share": stats.get("judge_s", 0.0) / rollout_s if rollout_s > 0 else 0.0,  # of the rollout's wall time
-            "judge_cache_hit_rate": stats.get("judge_cache_hits", 0.0) / questions if questions else float("nan"),
-            "judge_prompt_tokens": stats.get("judge_prompt_tokens", 0.0),
-            "judge_failed": stats.get("judge_failed", 0.0),
-        }
-
-    def _teacher_clients(self) -> list[TrainingClient]:
-        """The teacher's adapter on the policy's worker, when it is a checkpoint (freed with the run's policies)."""
-        client = getattr(getattr(self, "teacher", None), "client", None)
-        return [client] if client is not None and client.namespace else []
-
-    def _close_teacher(self) -> None:
-        teacher = getattr(self, "teacher", None)
-        if teacher is not None:
-            teacher.close()
-            self.teacher = None
 
     def _load_frozen_adapters(self) -> None:
         from tinkerless.sdk.evaluation.evaluate import adapter_files
