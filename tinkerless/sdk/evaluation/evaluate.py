@@ -158,8 +158,11 @@ def eval_columns(report: "EvalReport") -> dict:
 def rollout_request(config: TrainConfig, policy: str, tasks: list[dict], group_size: int, seed: int) -> RolloutRequest:
     """The rollout `train()` sends for these tasks, group size and seed: the same fields from the same config
     (`tests/test_eval.py` replays a training step from its checkpoint token for token, so they cannot drift)."""
+    from tinkerless.sdk.run.judging import split_reward
+
     env = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
-    reward = pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
+    code, judge = split_reward(config.reward)  # code rewards as one function, a judge beside them (as in train)
+    reward = pack_code(code, name=getattr(code, "__qualname__", None)) if code else None
     return RolloutRequest(
         policy=policy,
         tasks=tasks,
@@ -170,6 +173,7 @@ def rollout_request(config: TrainConfig, policy: str, tasks: list[dict], group_s
         env=env,
         reward=reward,
         system_prompt=config.system_prompt,
+        judge=judge,
     )
 
 
