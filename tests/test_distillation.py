@@ -275,3 +275,47 @@ def test_distillation_through_tinkerless_serve_matches_the_local_run(setup, tmp_
     for key in ("teacher_logprob_gap", "teacher_aligned_tokens", "loss", "reward_mean"):
         assert served.metrics[0][key] == pytest.approx(local.metrics[0][key], abs=1e-6), key
     assert served.usage["compute_seconds"]["teacher"] > 0
+
+
+def test_topk_forward_kl_with_k_64_is_the_kl_of_the_teachers_top_k_by_hand(setup):
+    """distill_loss='topk_forward_kl', k=64: the loss the update reports is sum_k q_T (log q_T - log p_S) over the
+    teacher's renormalized top 64 at each sampled position, computed here from the two models' full logits."""
+    model, storage = setup
+    backend = Recording(model)
+    result = tinkerless.train(model=model, teacher="T@2", distill_loss="topk_forward_kl", distill_topk=64, steps=1,
+                              backend=backend, storage=str(storage), **SETTINGS)
+    data = [d for update in backend.updates for d in update.data]
+    assert data and all(d.target_topk_ids.shape == (len(d.tokens), 64) for d in data)
+    assert backend.updates[0].loss.name == "topk_forward_kl"
+    from transformers import AutoModelForCausalLM
+
+    student = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)  # step 0: the LoRA adds nothing yet
+    total, count = 0.0, 0
+    for datum in data:
+        teacher = _full_logprobs(model, storage, datum.tokens)
+        with torch.no_grad():
+            mine = torch.log_softmax(student(input_ids=torch.as_tensor(datum.tokens, dtype=torch.long)[None]).logits[0].double(), -1)
+        for t in np.nonzero(datum.mask > 0)[0]:
+            top = torch.topk(teacher[t - 1], 64)
+            np.testing.assert_array_equal(np.sort(datum.target_topk_ids[t]), np.sort(top.indices.numpy()))
+            q = torch.softmax(top.values, -1)
+            total += float((q * (torch.log(q) - mine[t - 1][top.indices])).sum())
+            count += 1
+    assert result.metrics[0]["loss"] == pytest.approx(total / count, rel=1e-4)
+    assert result.metrics[0]["teacher_aligned_share"] == 1.0
+    with pytest.raises(ConfigError):
+        tinkerless.TrainConfig(model=model, tasks=[{"prompt": "x"}], teacher="T@2", distill_loss="topk_forward_kl",
+                               distill_topk=1025).validate()
+    with pytest.raises(ConfigError):
+        tinkerless.TrainConfig(model=model, tasks=[{"prompt": "x"}], teacher="http://127.0.0.1:1/v1",
+                               distill_loss="topk_forward_kl").validate()
+
+
+def _full_logprobs(model: str, storage: Path, tokens: np.ndarray) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = storage / "runs/T/checkpoints/step-2/adapter"
+    net = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), str(adapter))
+    with torch.no_grad():
+        return torch.log_softmax(net(input_ids=torch.as_tensor(tokens, dtype=torch.long)[None]).logits[0].double(), -1)

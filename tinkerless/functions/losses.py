@@ -30,7 +30,8 @@ from torch import Tensor
 
 from tinkerless.errors import ConfigError
 
-LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro", "cross_entropy")
+# topk_forward_kl: a teacher's top-k distributions as targets (`training/topk_distillation.py`, not compute_loss)
+LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro", "cross_entropy", "topk_forward_kl")
 RL_LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro")
 NORMALIZATIONS = ("token", "sequence", "constant")
 
@@ -164,6 +165,9 @@ def compute_loss(
     ref_logprobs:     [B, T] reference-model log-probs (only for KL)
     """
     config.validate()
+    if config.name == "topk_forward_kl":
+        raise ConfigError("topk_forward_kl is computed from the teacher's top-k rows, not from per-token log-probs",
+                          hint="the worker's forward_backward runs it (functions/training/topk_distillation.py)")
     _check_inputs(
         config,
         dict(

@@ -83,6 +83,8 @@ class TrainConfig:
     # on-policy distillation (docs/distillation.md): base | model id or dir | RUN@STEP | http(s)://endpoint/v1
     teacher: str | None = None
     distill_coef: float = 1.0  # weight of the teacher's per-token term (teacher - sampler log-prob) in the advantage
+    distill_loss: str = "reverse_kl"  # reverse_kl: the per-token advantage above | topk_forward_kl: the teacher's top-k as targets
+    distill_topk: int = 64  # k of topk_forward_kl (1 to 1024)
     learning_rate: float = 5e-4
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0
@@ -197,7 +199,9 @@ class TrainConfig:
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", self.run_id):
             raise ConfigError(f"invalid run_id {self.run_id!r}", hint="letters, digits, '.', '_' and '-'")
         check_report_to(self.report_to)  # a tracker that is not installed fails here, before any model loads
-        check_teacher(self.teacher, self.distill_coef)
+        check_teacher(self.teacher, self.distill_coef, self.distill_loss, self.distill_topk)
+        if self.loss == "topk_forward_kl":
+            raise ConfigError("topk_forward_kl is a distillation loss", hint="set teacher=... and distill_loss='topk_forward_kl'")
         if self.reward is not None:
             split_reward(self.reward)  # a function, a tinkerless.judge(...), or a list of them
         if self.teacher is not None and self.env is not None and is_multi_agent(self.env):

@@ -49,6 +49,10 @@ FIELD_DOCS: dict[str, str] = {
     "log-probs. None: no teacher.",
     "distill_coef": "Weight of the teacher's per-token term (teacher minus sampler log-prob) in the advantage; the "
     "env reward's group advantage is added to it.",
+    "distill_loss": "`reverse_kl`: the teacher's per-token log-prob minus the sampler's as the advantage (the "
+    "cookbook's OPD); `topk_forward_kl`: the teacher's top-k next-token distribution at each sampled position as "
+    "the target of a forward KL (a teacher on the policy's worker with its tokenizer; the reward is not used).",
+    "distill_topk": "k of `topk_forward_kl`: the teacher's k most likely tokens per position (1 to 1024).",
     "kl_coef": "Weight of the k3 KL penalty to the base model (the adapter switched off); 0: no penalty.",
     "learning_rate": "Adam learning rate of the LoRA adapter.",
     "weight_decay": "AdamW weight decay.",

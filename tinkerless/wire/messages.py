@@ -165,6 +165,10 @@ class Datum:
     sampler_logprobs: np.ndarray | None = None  # float32 [N]
     old_logprobs: np.ndarray | None = None  # float32 [N], trainer log-probs of the sampling policy (TIS)
     ref_logprobs: np.ndarray | None = None  # float32 [N], base model log-probs (KL)
+    # A teacher's top-k next-token distribution at each position (the `topk_forward_kl` loss): row i holds the
+    # k most likely ids for token i given tokens < i and their log-probs (row 0 unused).
+    target_topk_ids: np.ndarray | None = None  # int32 [N, k]
+    target_topk_logprobs: np.ndarray | None = None  # float32 [N, k]
 
 
 @dataclass
@@ -172,12 +176,15 @@ class ForwardRequest:
     policy: str
     data: list[Datum]
     with_reference: bool = False
+    topk: int = 0  # also the k most likely next tokens at each position and their log-probs (a distillation teacher)
 
 
 @dataclass
 class ForwardResult:
     logprobs: list[np.ndarray]
     ref_logprobs: list[np.ndarray] | None = None
+    topk_ids: list[np.ndarray] | None = None  # int32 [N, k] per datum, with topk
+    topk_logprobs: list[np.ndarray] | None = None  # float32 [N, k] per datum, with topk
 
 
 @dataclass

@@ -14,7 +14,7 @@ from tinkerless.sdk.backends.client import TrainingClient
 from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.run.accounting import RunUsage
 from tinkerless.sdk.run.advantages import AdvantageConfig, group_advantages
-from tinkerless.sdk.run.distillation import SequenceScores, Teacher, opd_advantages, teacher_columns
+from tinkerless.sdk.run.distillation import SequenceScores, Teacher, opd_advantages, teacher_columns, topk_batch
 from tinkerless.wire.messages import Datum, Episode
 
 
@@ -26,6 +26,12 @@ def update_batch(
     With a `teacher`, its forward runs first (the run's `teacher` phase) and its metrics join `timings` (the
     step's record takes them from there)."""
     scores = None
+    if teacher is not None and episodes and config.distill_loss == "topk_forward_kl":
+        t = time.perf_counter()
+        with usage.phase("teacher"):
+            data, columns = topk_batch(episodes, teacher, config.distill_topk)
+        timings.update({"teacher_s": time.perf_counter() - t, **columns})
+        return data, LossConfig(name="topk_forward_kl")
     if teacher is not None and episodes:
         t = time.perf_counter()
         with usage.phase("teacher"):

@@ -57,8 +57,19 @@ def teacher_kind(spec: str) -> str:
     return "model"
 
 
-def check_teacher(spec: Any, distill_coef: Any, teacher_topk: Any = 0) -> None:
+DISTILL_LOSSES = ("reverse_kl", "topk_forward_kl")
+MAX_TOPK = 1024
+
+
+def check_teacher(spec: Any, distill_coef: Any, distill_loss: Any = "reverse_kl", distill_topk: Any = 64) -> None:
     """ConfigError for a teacher setting that cannot be right, before anything loads."""
+    if distill_loss not in DISTILL_LOSSES:
+        raise ConfigError(f"distill_loss must be one of {', '.join(DISTILL_LOSSES)}, got {distill_loss!r}")
+    if isinstance(distill_topk, bool) or not isinstance(distill_topk, int) or not 1 <= distill_topk <= MAX_TOPK:
+        raise ConfigError(f"distill_topk must be a whole number from 1 to {MAX_TOPK}, got {distill_topk!r}")
+    if distill_loss == "topk_forward_kl" and spec is not None and teacher_kind(str(spec).strip()) in ("endpoint", "model"):
+        raise ConfigError(f"distill_loss='topk_forward_kl' needs a teacher with the student's tokenizer on its worker, "
+                          f"not {spec!r}", hint="a checkpoint RUN@STEP of the same base, or 'base'")
     if spec is not None:
         if not isinstance(spec, str) or not spec.strip() or len(spec) > 2000:
             raise ConfigError(f"teacher must be a non-empty string, got {spec!r}", hint=f"one of: {TEACHER_FORMS}")
@@ -305,3 +316,22 @@ def teacher_columns(episodes: list[Episode], scores: list[list[SequenceScores]])
         "teacher_aligned_share": aligned / sampled if sampled else math.nan,
         "teacher_aligned_tokens": aligned,
     }
+
+
+def topk_batch(episodes: list[Episode], teacher: Teacher, k: int) -> tuple[list[Datum], dict[str, float]]:
+    """`topk_forward_kl`'s data: every sampled sequence with the teacher's top-k rows as targets, and the step's
+    teacher columns (the same forward gives the teacher's log-probs of the sampled tokens)."""
+    if not isinstance(teacher, ForwardTeacher):
+        raise ConfigError("distill_loss='topk_forward_kl' needs a teacher on the policy's worker with its tokenizer")
+    sequences = [s for e in episodes for s in e.sequences() if s.mask.sum() > 0]
+    data = [Datum(tokens=s.tokens, mask=s.mask, sampler_logprobs=s.sampler_logprobs) for s in sequences]
+    if not data:
+        return [], {}
+    result = teacher.client.forward(data, topk=k)
+    gap, sampled = 0.0, 0.0
+    for datum, lp, ids, lps in zip(data, result.logprobs, result.topk_ids, result.topk_logprobs):
+        datum.target_topk_ids, datum.target_topk_logprobs = ids, lps
+        on = datum.mask > 0
+        gap += float((datum.sampler_logprobs[on].astype(np.float64) - np.asarray(lp)[on]).sum())
+        sampled += float(on.sum())
+    return data, {"teacher_logprob_gap": gap / sampled, "teacher_aligned_share": 1.0, "teacher_aligned_tokens": sampled}
