@@ -30,8 +30,10 @@ from torch import Tensor
 
 from tinkerless.errors import ConfigError
 
-# topk_forward_kl: a teacher's top-k distributions as targets (`training/topk_distillation.py`, not compute_loss)
-LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro", "cross_entropy", "topk_forward_kl")
+LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro", "cross_entropy")  # per-token losses (compute_loss)
+# A teacher's top-k distributions as targets (on-policy distillation): computed by `training/topk_distillation.py`
+# from the rows the datums carry, not by compute_loss; a run asks for it with TrainConfig(distill_loss=...).
+DISTILLATION_LOSS_NAMES = ("topk_forward_kl",)
 RL_LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro")
 NORMALIZATIONS = ("token", "sequence", "constant")
 
@@ -52,7 +54,7 @@ class LossConfig:
     old_logprobs_current: bool = False
 
     def validate(self) -> None:
-        if self.name not in LOSS_NAMES:
+        if self.name not in LOSS_NAMES + DISTILLATION_LOSS_NAMES:
             raise ConfigError(f"LossConfig.name={self.name!r} is not a known loss", hint=f"use one of {LOSS_NAMES}")
         if self.normalization not in NORMALIZATIONS:
             raise ConfigError(

@@ -282,6 +282,14 @@ class Worker:
 
         return next_token_logprobs(self, prompts)
 
+    def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
+        """Play multi-agent games; one episode per game and model-played role."""
+        with self._hosted_code():
+            return rollout_requests.rollout_multi(
+                request, engine=self.engine, chat=self.chat, hosts=self.user_code_hosts, code_cache=self._code_cache,
+                check_policy=self._policy,
+            )
+
     @contextlib.contextmanager
     def _hosted_code(self):
         try:

@@ -200,8 +200,6 @@ class TrainConfig:
             raise ConfigError(f"invalid run_id {self.run_id!r}", hint="letters, digits, '.', '_' and '-'")
         check_report_to(self.report_to)  # a tracker that is not installed fails here, before any model loads
         check_teacher(self.teacher, self.distill_coef, self.distill_loss, self.distill_topk)
-        if self.loss == "topk_forward_kl":
-            raise ConfigError("topk_forward_kl is a distillation loss", hint="set teacher=... and distill_loss='topk_forward_kl'")
         if self.reward is not None:
             split_reward(self.reward)  # a function, a tinkerless.judge(...), or a list of them
         if self.teacher is not None and self.env is not None and is_multi_agent(self.env):
