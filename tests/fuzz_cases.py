@@ -32,7 +32,7 @@ from tinkerless.wire.code import CodeBlob
 from tinkerless.wire.http import MSGPACK, SEQ_HEADER, STREAM_HEADER
 from tinkerless.wire.messages import (
     AdamParams, CreatePolicyRequest, Datum, EpisodeLimits, ForwardBackwardRequest, ForwardRequest, LoadStateRequest,
-    LoraConfig, MultiAgentRolloutRequest, OptimStepRequest, PolicyState, ResetPolicyRequest, RolloutRequest,
+    JudgeSpec, LoraConfig, MultiAgentRolloutRequest, OptimStepRequest, PolicyState, ResetPolicyRequest, RolloutRequest,
     SampleRequest, SamplingParams, SaveStateRequest, Seat, UpdateRequest,
 )
 from tinkerless.wire.runs import (
@@ -69,7 +69,8 @@ def call_templates() -> dict[str, Any]:
         "info": {},
         "create_policy": CreatePolicyRequest(POLICY, LoraConfig(rank=2)),
         "reset_policy": ResetPolicyRequest(POLICY),
-        "rollout": RolloutRequest(POLICY, [{"prompt": "hi"}], 1, sampling, EpisodeLimits(), 0),
+        "rollout": RolloutRequest(POLICY, [{"prompt": "hi"}], 1, sampling, EpisodeLimits(), 0,
+                                  judge=JudgeSpec("The reply greets the user.")),
         "rollout_multi": MultiAgentRolloutRequest(
             [{}], 1, CodeBlob("env", PYTHON_VERSION, b"not a pickle"), {"a": Seat(POLICY)}, sampling, EpisodeLimits(), 0
         ),

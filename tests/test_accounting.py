@@ -20,7 +20,9 @@ from tinkerless.sdk.run.metrics import read_metrics
 from tinkerless.server import create_app, serve_in_thread
 from tinkerless.storage import ObjectStore
 
-STEP_PHASES = [p for p in PHASES if p != "setup"]
+# The phases of these runs (no teacher, no judge: those have tests of their own, test_distillation, test_judge).
+RUN_PHASES = [p for p in PHASES if p not in ("teacher", "judge")]
+STEP_PHASES = [p for p in RUN_PHASES if p != "setup"]
 
 
 @tinkerless.reward
@@ -71,7 +73,7 @@ def _check_step_columns(records: list[dict], price_per_hour: float) -> None:
             assert record[f"compute_s/{phase}"] > 0, (phase, record)
             # compute measured where it ran fits inside the client's wall time of the phase
             assert record[f"compute_s/{phase}"] <= record[f"{phase}_s"] + 1e-6
-        assert record["compute_s/step"] == pytest.approx(sum(record[f"compute_s/{p}"] for p in STEP_PHASES))
+        assert record["compute_s/step"] == pytest.approx(sum(record[f"compute_s/{p}"] for p in PHASES if p != "setup"))
         assert record["compute_s/total"] >= previous_total + record["compute_s/step"] - 1e-9  # cumulative (step 0 adds setup)
         assert record["cost_usd"] == pytest.approx(record["compute_s/total"] * price_per_hour / 3600)
         previous_total = record["compute_s/total"]
@@ -81,7 +83,7 @@ def _check_summary(usage: dict, *, device: str, price_per_hour: float, calls: di
     assert usage["device"] == device
     assert usage["price_per_hour"] == price_per_hour
     assert set(usage["compute_seconds"]) == set(PHASES)
-    assert all(usage["compute_seconds"][p] > 0 for p in PHASES)
+    assert all(usage["compute_seconds"][p] > 0 for p in RUN_PHASES)
     assert sum(usage["compute_seconds"].values()) == pytest.approx(usage["compute_seconds_total"])
     assert sum(f["seconds"] for f in usage["by_function"].values()) == pytest.approx(usage["compute_seconds_total"])
     assert {m: f["calls"] for m, f in usage["by_function"].items()} == calls
@@ -146,7 +148,8 @@ def test_run_usage_adds_and_prices_an_earlier_attempt():
     with usage.phase("update"):
         meter.record("update", 50.0)
     summary = usage.summary()
-    assert summary["compute_seconds"] == {"setup": 0.0, "rollout": 100.0, "forward": 0.0, "update": 50.0, "storage": 0.0}
+    assert summary["compute_seconds"] == {"setup": 0.0, "rollout": 100.0, "forward": 0.0, "teacher": 0.0, "judge": 0.0,
+                                        "update": 50.0, "storage": 0.0}
     assert summary["by_function"] == {"rollout": {"seconds": 100.0, "calls": 4}, "update": {"seconds": 50.0, "calls": 1}}
     assert summary["cost_usd"] == pytest.approx(150.0 * 3.6 / 3600)  # the price given now covers the earlier seconds
     with pytest.warns(UserWarning, match="'cuda'"):

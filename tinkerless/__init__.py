@@ -8,7 +8,7 @@
     tinkerless.train(model="smollm2", reward=exact, tasks=[...], steps=20)
 
 Public API:
-- `env`, `reward`: decorators for user environments and reward functions;
+- `env`, `reward`: decorators for user environments and reward functions; `judge`: an LLM judge as a reward;
 - `agent`, `AgentResult`: an async OpenAI-client agent function, trained as it is (docs/agents.md);
 - `StepResult`: what an env's `step()` returns;
 - `train`, `TrainConfig`, `RunResult`: run RL end to end;
@@ -55,6 +55,7 @@ _LAZY = {
     "self_play": "tinkerless.sdk.run.agents",
     "versus": "tinkerless.sdk.run.agents",
     "round_robin": "tinkerless.sdk.run.agents",
+    "judge": "tinkerless.sdk.run.judging",
     "MultiStepResult": "tinkerless.envs.base",
     "tool": "tinkerless.envs.tools",
     "ToolEnv": "tinkerless.envs.tools",

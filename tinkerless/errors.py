@@ -125,8 +125,25 @@ class InfrastructureFailure(TinkerlessError):
     that talks to such a service; errors of the user's own env or reward stay EnvError / RewardError."""
 
     def __init__(self, message: str, *, cause: str, hint: str | None = None):
-        self.cause = cause  # a short machine-readable tag: "judge_timeout", "env_server_unreachable", ...
+        self.cause = infra_cause_tag(cause)  # a short machine-readable tag: "judge_timeout", "env_server_unreachable", ...
         super().__init__(message, hint=hint)
+
+
+def infra_cause_tag(cause: object) -> str:
+    """`cause` as it is recorded and sent: a short printable tag (anything else becomes "unknown")."""
+    if not isinstance(cause, str):
+        return "unknown"
+    tag = "".join(c if c.isalnum() or c in "_-.:" else "_" for c in cause.strip()[:64])
+    return tag or "unknown"
+
+
+def infra_cause(exc: BaseException) -> str | None:
+    """The cause tag when `exc` is an infrastructure failure (an `InfrastructureFailure`, or an error that carries
+    one across a process boundary as its `infra_cause`, like a hosted code error whose sandbox died), else None."""
+    if isinstance(exc, InfrastructureFailure):
+        return exc.cause
+    carried = getattr(exc, "infra_cause", None)
+    return infra_cause_tag(carried) if carried else None
 
 
 class RemoteError(TinkerlessError):
@@ -147,3 +164,17 @@ def error_class_for(name: str) -> type[TinkerlessError] | None:
     if isinstance(cls, type) and issubclass(cls, TinkerlessError):
         return cls
     return None
+
+
+def rebuild_error(name: str, message: str, *, hint: str | None = None, cause: str | None = None) -> TinkerlessError | None:
+    """The error named `name`, rebuilt from what the wire carries (message, hint and, for an infrastructure
+    failure, its cause); None when this side has no such class or cannot build it from those alone."""
+    cls = error_class_for(name)
+    if cls is None or cls is RemoteError:
+        return None
+    try:
+        if issubclass(cls, InfrastructureFailure):
+            return cls(message, cause=cause or "unknown", hint=hint)
+        return cls(message, hint=hint)
+    except TypeError:  # a class with its own constructor (SequenceReused)
+        return None

@@ -21,7 +21,7 @@ from typing import Any
 
 from tinkerless.cloud.modal_config import ModalConfig
 from tinkerless.cloud.modal_volume import VOLUME_MOUNT
-from tinkerless.errors import ConfigError, UserError, error_class_for
+from tinkerless.errors import ConfigError, UserError, rebuild_error
 
 
 def modal_entrypoint(config: Any, modal_config: ModalConfig | None = None) -> Any:
@@ -60,8 +60,9 @@ def run_on_modal(config: Any, classes: dict, settings: ModalConfig, *, run_id: s
     result = classes["coordinator"](volume=settings.volume_name).train.remote(shipped, run_id, settings.to_json())
     if "error" in result:  # a user error in the container, raised here with its type and hint
         error = result["error"]
-        cls = error_class_for(error["type"]) or UserError
-        raise cls(f"run {run_id} on Modal: {error['message']}", hint=error["hint"])
+        message = f"run {run_id} on Modal: {error['message']}"
+        raise (rebuild_error(error["type"], message, hint=error["hint"], cause=error.get("cause"))
+               or UserError(message, hint=error["hint"]))
     local = Path("runs") / run_id
     local.mkdir(parents=True, exist_ok=True)
     metrics = local / "metrics.jsonl"

@@ -13,6 +13,8 @@
   episode loops, single- and multi-agent, and chat formatting in token space;
 - `hosting/`: users' env, reward and agent code next to the model, behind the sandbox;
 - `openai_api/`: the OpenAI-compatible endpoint agents and `tinkerless serve` share;
+- `companions/`: other models in the loop, beside the policy: a distillation teacher's alignment across
+  tokenizers and its scores from an endpoint, an LLM judge's prompt, verdicts and cache;
 - `precision`: the base weights' dtype (adapters stay fp32); `handoff`: the proof a writer commits with each
   policy version, which readers check when they load it;
 - `models`: model resolution and loading (SmolLM2 from its GGUF package, HF ids, local paths, tiny test models);

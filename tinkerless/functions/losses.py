@@ -30,7 +30,10 @@ from torch import Tensor
 
 from tinkerless.errors import ConfigError
 
-LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro", "cross_entropy")
+LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro", "cross_entropy")  # per-token losses (compute_loss)
+# A teacher's top-k distributions as targets (on-policy distillation): computed by `training/topk_distillation.py`
+# from the rows the datums carry, not by compute_loss; a run asks for it with TrainConfig(distill_loss=...).
+DISTILLATION_LOSS_NAMES = ("topk_forward_kl",)
 RL_LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "dro")
 NORMALIZATIONS = ("token", "sequence", "constant")
 
@@ -51,7 +54,7 @@ class LossConfig:
     old_logprobs_current: bool = False
 
     def validate(self) -> None:
-        if self.name not in LOSS_NAMES:
+        if self.name not in LOSS_NAMES + DISTILLATION_LOSS_NAMES:
             raise ConfigError(f"LossConfig.name={self.name!r} is not a known loss", hint=f"use one of {LOSS_NAMES}")
         if self.normalization not in NORMALIZATIONS:
             raise ConfigError(
@@ -164,6 +167,9 @@ def compute_loss(
     ref_logprobs:     [B, T] reference-model log-probs (only for KL)
     """
     config.validate()
+    if config.name == "topk_forward_kl":
+        raise ConfigError("topk_forward_kl is computed from the teacher's top-k rows, not from per-token log-probs",
+                          hint="the worker's forward_backward runs it (functions/training/topk_distillation.py)")
     _check_inputs(
         config,
         dict(

@@ -26,6 +26,7 @@ from tinkerless.errors import ConfigError, ProtocolError, UserError
 from tinkerless.functions.rollout import requests as rollout_requests
 from tinkerless.functions.policies import Policy, PolicyAdapters
 from tinkerless.functions.training import forward_backward as training
+from tinkerless.functions.training import topk_distillation
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.sampling.engine import TransformersEngine
 from tinkerless.functions.training.policy_state import (ADAPTER_CONFIG, canonical_adapter_config, check_weights_fit,
@@ -287,8 +288,19 @@ class Worker:
         with self._hosted_code():
             return rollout_requests.rollout(
                 request, engine=self.engine, chat=self.chat, tokenizer=self.tokenizer, hosts=self.user_code_hosts,
-                code_cache=self._code_cache, check_policy=self._policy, vision=self.vision,
+                code_cache=self._code_cache, check_policy=self._policy, vision=self.vision, judge=self._judge,
             )
+
+    def _judge(self, episodes: list, spec: Any) -> dict:
+        """Grade a rollout's episodes with an LLM judge beside it (functions/companions/judge.py)."""
+        from tinkerless.functions.companions.judge import judge_on_worker
+
+        return judge_on_worker(self, episodes, spec)
+
+    def _next_token_logprobs(self, prompts: list[list[int]]) -> Any:
+        from tinkerless.functions.companions.judge import next_token_logprobs
+
+        return next_token_logprobs(self, prompts)
 
     def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:
         """Play multi-agent games; one episode per game and model-played role."""
@@ -328,15 +340,21 @@ class Worker:
     def forward(self, request: ForwardRequest) -> ForwardResult:
         with self._activate(request.policy):
             logprobs = training.forward(self.model, request.data, self.pad_id, self.micro_batch_size, **self.rank_args)
+            topk = topk_distillation.teacher_topk(self.model, request.data, request.topk) if request.topk else (None, None)
         ref = None
         if request.with_reference:
             with self._activate(BASE_POLICY):
                 ref = training.forward(self.model, request.data, self.pad_id, self.micro_batch_size, **self.rank_args)
-        return ForwardResult(logprobs, ref)
+        return ForwardResult(logprobs, ref, *topk)
 
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
         if not request.data:
             raise UserError("forward_backward got an empty batch", hint="send at least one datum")
+        if request.loss.name == "topk_forward_kl":  # a teacher's top-k distributions as targets
+            if self.rank_args:
+                raise UserError("topk_forward_kl runs on one process", hint="train it without --gpus")
+            with self._activate(request.policy):
+                return ForwardBackwardResult(topk_distillation.topk_backward(self.model, request.data), [])
         with self._activate(request.policy):
             metrics, logprobs = training.forward_backward(
                 self.model, request.data, request.loss, self.pad_id, self.micro_batch_size, **self.rank_args

@@ -16,6 +16,8 @@ from tinkerless.envs.base import is_multi_agent
 from tinkerless.sdk.run.accounting import PriceTable
 from tinkerless.sdk.run.advantages import AdvantageConfig
 from tinkerless.sdk.run.agents import check_roles, seatings, trainable_policies
+from tinkerless.sdk.run.distillation import check_teacher
+from tinkerless.sdk.run.judging import split_reward
 from tinkerless.sdk.tracking.base import check_report_to
 
 # algo -> (advantage estimator, default loss normalization)
@@ -78,6 +80,11 @@ class TrainConfig:
     clip_high: float = 0.28
     tis_cap: float | None = None  # truncated IS correction for sampler/trainer mismatch
     kl_coef: float = 0.0  # KL to the base model (adapter off)
+    # on-policy distillation (docs/distillation.md): base | model id or dir | RUN@STEP | http(s)://endpoint/v1
+    teacher: str | None = None
+    distill_coef: float = 1.0  # weight of the teacher's per-token term (teacher - sampler log-prob) in the advantage
+    distill_loss: str = "reverse_kl"  # reverse_kl: the per-token advantage above | topk_forward_kl: the teacher's top-k as targets
+    distill_topk: int = 64  # k of topk_forward_kl (1 to 1024)
     learning_rate: float = 5e-4
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0
@@ -111,6 +118,7 @@ class TrainConfig:
     checkpoint_every: int = 5
     keep_checkpoints: int | None = 3
     on_env_error: str = "skip"  # skip | raise
+    infra_retries: int = 2  # times an episode that failed for an infrastructure reason is played again before it is dropped
     micro_batch_size: int = 16
     progress: bool = True
     transcripts_per_step: int = 4  # whole episodes sampled per step into runs/<id>/episodes.jsonl; 0 = none
@@ -144,6 +152,10 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be an integer (at least 1), got {value!r}")
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        retries = self.infra_retries
+        if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or not 0 <= retries <= 10:
+            raise ConfigError(f"infra_retries must be a whole number from 0 to 10, got {retries!r}",
+                              hint="how often an episode whose env server, judge or sandbox failed is played again")
         for name, most in (("max_staleness", 64), ("rollout_workers", 64)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= most:
@@ -160,10 +172,11 @@ class TrainConfig:
             )
         if self.agent is not None:
             self._validate_agent()
-        elif self.env is None and self.reward is None:
+        elif self.env is None and self.reward is None and self.teacher is None:
             raise ConfigError(
-                "a run needs an env, a reward, or both (or an agent)",
-                hint="pass env=MyEnv and/or reward=my_reward, or agent=my_agent (an @tinkerless.agent function)",
+                "a run needs an env, a reward, or both (or an agent, or a teacher to distill from)",
+                hint="pass env=MyEnv and/or reward=my_reward, agent=my_agent (an @tinkerless.agent function), "
+                "or teacher='RUN@STEP' (docs/distillation.md)",
             )
         if self.env is not None and is_multi_agent(self.env):
             if self.agents is None:
@@ -189,6 +202,11 @@ class TrainConfig:
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", self.run_id):
             raise ConfigError(f"invalid run_id {self.run_id!r}", hint="letters, digits, '.', '_' and '-'")
         check_report_to(self.report_to)  # a tracker that is not installed fails here, before any model loads
+        check_teacher(self.teacher, self.distill_coef, self.distill_loss, self.distill_topk)
+        if self.reward is not None:
+            split_reward(self.reward)  # a function, a tinkerless.judge(...), or a list of them
+        if self.teacher is not None and self.env is not None and is_multi_agent(self.env):
+            raise ConfigError("teacher= is for single-agent runs", hint="distill each policy in a run of its own")
         self.loss_config().validate()
         self.advantage_config().validate()
         self.price_table()

@@ -43,6 +43,16 @@ FIELD_DOCS: dict[str, str] = {
     "clip_high": "Upper clip of the probability ratio (ppo, cispo): 1 + clip_high.",
     "tis_cap": "Truncated importance-sampling cap for the sampler/trainer mismatch; the trainer's log-probs come from the update's own pass (no extra forward). "
     "None: off.",
+    "teacher": "On-policy distillation (docs/distillation.md): a teacher scores every sampled token and the "
+    "per-token reverse KL is the advantage. `base`, a model id or directory, a checkpoint `RUN@STEP` / "
+    "`RUN@latest` (the student's own earlier one too), or an OpenAI-compatible endpoint URL returning prompt "
+    "log-probs. None: no teacher.",
+    "distill_coef": "Weight of the teacher's per-token term (teacher minus sampler log-prob) in the advantage; the "
+    "env reward's group advantage is added to it.",
+    "distill_loss": "`reverse_kl`: the teacher's per-token log-prob minus the sampler's as the advantage (the "
+    "cookbook's OPD); `topk_forward_kl`: the teacher's top-k next-token distribution at each sampled position as "
+    "the target of a forward KL (a teacher on the policy's worker with its tokenizer; the reward is not used).",
+    "distill_topk": "k of `topk_forward_kl`: the teacher's k most likely tokens per position (1 to 1024).",
     "kl_coef": "Weight of the k3 KL penalty to the base model (the adapter switched off); 0: no penalty.",
     "learning_rate": "Adam learning rate of the LoRA adapter.",
     "weight_decay": "AdamW weight decay.",
@@ -79,6 +89,10 @@ FIELD_DOCS: dict[str, str] = {
     "keep_checkpoints": "How many newest checkpoints to keep; None keeps all.",
     "on_env_error": "`skip`: an episode whose env or reward raised is dropped (its traceback goes into "
     "metrics.jsonl); `raise`: the run stops.",
+    "infra_retries": "How many times an episode that failed for an infrastructure reason (its env server, judge, "
+    "sandbox or hosted agent failed: an `InfrastructureFailure`) is played again; one that still fails is dropped "
+    "from its group, whose advantages are computed over the episodes left, and counted as `episodes_infra_failed` "
+    "(never scored 0; docs/errors.md). 0 to 10.",
     "micro_batch_size": "Sequences per forward/backward pass in an update (gradients accumulate over them); "
     "lower it if memory runs out.",
     "progress": "Show the progress bar (`--no-progress` turns it off).",

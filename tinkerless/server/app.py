@@ -308,5 +308,7 @@ def _status_for(reply: bytes) -> int:
     except Exception:
         return 500  # the worker always encodes valid envelopes; anything else is the server's fault
     if isinstance(body, ErrorReply):
+        if body.cause:  # an infrastructure failure (a judge, env server or sandbox the call needed): retry it
+            return 503
         return 400 if body.category == "user" else 500
     return 200

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from tinkerless.errors import (
     BarrierTimeout, CommitConflict, PhaseError, ProtocolError, StorageNotFound, TinkerlessError, UserError,
+    infra_cause,
 )
 from tinkerless.wire import encode_message
 from tinkerless.wire.http import MSGPACK, SEQ_HEADER, STREAM_HEADER
@@ -45,13 +46,17 @@ def error_response(
     status: int, exc: TinkerlessError, headers: dict[str, str] | None = None, redact: Redactor | None = None
 ) -> Response:
     message, hint = (redact(exc.message), redact(exc.hint)) if redact else (exc.message, exc.hint)
-    reply = ErrorReply(error=message or "", category=exc.category, type=type(exc).__name__, hint=hint)
+    reply = ErrorReply(error=message or "", category=exc.category, type=type(exc).__name__, hint=hint,
+                       cause=infra_cause(exc))
     return Response(content=encode_message(reply), status_code=status, media_type=MSGPACK, headers=headers)
 
 
 def status_of(exc: TinkerlessError) -> int:
     """409 for a run in another state than the call needs (or driven by another client), 404 for a missing
-    object, else 400 (user) or 500."""
+    object, 503 for a service the call needed that failed (an infrastructure failure: retry), else 400 (user)
+    or 500."""
+    if infra_cause(exc) is not None:
+        return 503
     if isinstance(exc, (PhaseError, BarrierTimeout, CommitConflict)):
         return 409
     if isinstance(exc, StorageNotFound):

@@ -84,6 +84,20 @@ class ResetPolicyRequest:
 
 
 @dataclass
+class JudgeSpec:
+    """An LLM judge as a reward (`tinkerless.judge`; `functions/companions/judge.py` runs it beside the rollout)."""
+
+    rubric: str
+    mode: str = "pointwise"  # pointwise: each episode alone | group: a task's group ranked together (RULER-style)
+    model: str | None = None  # the judge model: None, the policy's base model; at an endpoint, the model's name there
+    endpoint: str | None = None  # an OpenAI-compatible base URL (http://host:port/v1); None: the policy's worker
+    weight: float = 1.0  # the reward is weight * score, the score in [0, 1]
+    timeout: float = 60.0  # seconds for one endpoint call; past them the episode is an infrastructure failure
+    retries: int = 2  # an unparseable endpoint reply is asked again this many times, then the episode is marked
+    max_tokens: int = 16  # the endpoint judge's reply length
+
+
+@dataclass
 class RolloutRequest:
     policy: str
     tasks: list[dict]
@@ -97,6 +111,7 @@ class RolloutRequest:
     agent: CodeBlob | None = None  # an @tinkerless.agent function: runs instead of the env/reward loop
     agent_timeout: float = 300.0  # seconds one agent copy may run before it is dropped as an error
     agent_transport: str = "asgi"  # asgi: in-process transport to the endpoint | http: loopback HTTP
+    judge: JudgeSpec | None = None  # an LLM judge whose weighted score is added to each episode's reward
 
 
 @dataclass
@@ -119,7 +134,7 @@ class Episode:
     reward: float = 0.0
     turn_rewards: list[float] = field(default_factory=list)
     num_turns: int = 0
-    status: str = "ok"  # ok | truncated | error
+    status: str = "ok"  # ok | truncated | error | infra_failed (see `infra_cause`)
     error: str | None = None
     traceback: str | None = None
     transcript: list[dict] = field(default_factory=list)
@@ -129,6 +144,9 @@ class Episode:
     extra_sequences: list[TrainingSequence] = field(default_factory=list)
     # A vision-language episode's images, processed, in the order their image tokens appear in `tokens`.
     images: list[VisionInput] = field(default_factory=list)
+    # status "infra_failed": why (errors.InfrastructureFailure.cause). Such an episode is never a reward: it is
+    # retried, then dropped from its group (docs/errors.md).
+    infra_cause: str | None = None
 
     def sequences(self) -> list[TrainingSequence]:
         """Every trained sequence of the episode: the first (tokens/mask/sampler_logprobs), then the extra ones."""
@@ -155,6 +173,10 @@ class Datum:
     old_logprobs: np.ndarray | None = None  # float32 [N], trainer log-probs of the sampling policy (TIS)
     ref_logprobs: np.ndarray | None = None  # float32 [N], base model log-probs (KL)
     images: list[VisionInput] | None = None  # processed images, in the order of their image tokens in `tokens`
+    # A teacher's top-k next-token distribution at each position (the `topk_forward_kl` loss): row i holds the
+    # k most likely ids for token i given tokens < i and their log-probs (row 0 unused).
+    target_topk_ids: np.ndarray | None = None  # int32 [N, k]
+    target_topk_logprobs: np.ndarray | None = None  # float32 [N, k]
 
 
 @dataclass
@@ -162,12 +184,15 @@ class ForwardRequest:
     policy: str
     data: list[Datum]
     with_reference: bool = False
+    topk: int = 0  # also the k most likely next tokens at each position and their log-probs (a distillation teacher)
 
 
 @dataclass
 class ForwardResult:
     logprobs: list[np.ndarray]
     ref_logprobs: list[np.ndarray] | None = None
+    topk_ids: list[np.ndarray] | None = None  # int32 [N, k] per datum, with topk
+    topk_logprobs: list[np.ndarray] | None = None  # float32 [N, k] per datum, with topk
 
 
 @dataclass
@@ -261,6 +286,7 @@ class ErrorReply:
     type: str
     traceback: str = ""
     hint: str | None = None
+    cause: str | None = None  # an InfrastructureFailure's cause tag (errors.infra_cause), so it is rebuilt with it
 
 
 @dataclass

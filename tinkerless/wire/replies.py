@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 
-from tinkerless.errors import RemoteError, TinkerlessError, error_class_for
+from tinkerless.errors import RemoteError, TinkerlessError, infra_cause, rebuild_error
 from tinkerless.wire.messages import ErrorReply
 
 
@@ -22,18 +22,13 @@ def error_reply(exc: Exception) -> ErrorReply:
         type=type(exc).__name__,
         traceback=traceback.format_exc(),
         hint=getattr(exc, "hint", None),
+        cause=infra_cause(exc),
     )
 
 
 def raise_error_reply(reply: ErrorReply, *, where: str) -> None:
-    cls = error_class_for(reply.type)
-    error = None
-    if cls is not None and cls is not RemoteError:
-        try:
-            error = cls(reply.error, hint=reply.hint)
-        except TypeError:  # a class with its own constructor (SequenceReused): reported as a RemoteError
-            error = None
-    if error is None:
+    error = rebuild_error(reply.type, reply.error, hint=reply.hint, cause=reply.cause)
+    if error is None:  # a class this side does not know or cannot build (SequenceReused): a RemoteError
         error = RemoteError(
             f"{where} failed: {reply.type}: {reply.error}",
             category=reply.category,
@@ -41,5 +36,7 @@ def raise_error_reply(reply: ErrorReply, *, where: str) -> None:
             traceback=reply.traceback,
             hint=reply.hint,  # what to do about it: a server-side error class the client does not know keeps it too
         )
+        if reply.cause:  # an infrastructure failure of a class only the remote side defines: still one here
+            error.infra_cause = reply.cause  # type: ignore[attr-defined]
     error.remote_traceback = reply.traceback  # type: ignore[attr-defined]
     raise error

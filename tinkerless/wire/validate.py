@@ -249,6 +249,25 @@ def _one_of(*choices: str) -> Callable[[Any, str], None]:
     return rule
 
 
+def _judge_mode(value: Any, path: str) -> None:
+    if value not in ("pointwise", "group"):
+        _fail(path, f"is {str(value)[:40]!r}, not 'pointwise' or 'group'")
+
+
+def _endpoint_url(value: Any, path: str) -> None:
+    if value is not None and (not value.startswith(("http://", "https://")) or len(value) > 2000
+                              or any(c.isspace() or ord(c) < 32 for c in value)):
+        _fail(path, f"is {str(value)[:60]!r}, not an http(s) URL", "e.g. http://127.0.0.1:8000/v1")
+
+
+def _bounded_text(most: int) -> Callable[[Any, str], None]:
+    def rule(value: Any, path: str) -> None:
+        if value is not None and (not value.strip() or len(value) > most):
+            _fail(path, f"must be non-empty text of at most {most} characters")
+
+    return rule
+
+
 def _tagged(module: str, name: str) -> Callable[[Any, str], None]:
     def rule(value: Any, path: str) -> None:
         if (type(value).__module__, type(value).__qualname__) != (module, name):
@@ -285,7 +304,10 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
         m.MultiAgentRolloutRequest: {"group_size": count, "seed": seed, "tasks": _json,
                                      "protocol_timeout": between(0, 86400, low_open=True), "seats": _non_empty},
         m.Seat: {"policy": policy_name},
-        m.ForwardRequest: {"policy": policy_name},
+        m.JudgeSpec: {"rubric": _bounded_text(20_000), "mode": _judge_mode, "model": _bounded_text(500),
+                      "endpoint": _endpoint_url, "weight": between(-1e6, 1e6), "timeout": between(0, 3600, low_open=True),
+                      "retries": between(0, 5), "max_tokens": between(1, 256)},
+        m.ForwardRequest: {"policy": policy_name, "topk": between(0, MAX_TOPK)},
         m.ForwardBackwardRequest: {"policy": trainable_policy, "data": _non_empty, "loss": loss},
         m.OptimStepRequest: {"policy": trainable_policy},
         m.UpdateRequest: {"policy": trainable_policy, "data": _non_empty, "loss": loss},
@@ -323,6 +345,8 @@ def _token_ids(request: Any, vocab_size: int) -> None:
         for i, datum in enumerate(getattr(request, name, None) or []):
             if isinstance(datum, m.Datum):
                 check(datum.tokens, f"{type(request).__name__}.data[{i}].tokens")
+                if datum.target_topk_ids is not None:
+                    check(datum.target_topk_ids, f"{type(request).__name__}.data[{i}].target_topk_ids")
     if isinstance(request, m.SampleRequest):
         for i, prompt in enumerate(request.prompts):
             if isinstance(prompt, list):
@@ -353,6 +377,26 @@ def _datums(request: Any) -> None:
                 _fail(f"{path}.{name}", f"must be a numeric array of shape {datum.tokens.shape}, got {values.shape}")
             if values.dtype.kind == "f" and not np.isfinite(values).all():
                 _fail(f"{path}.{name}", "holds NaN or infinite values")
+        _topk_targets(datum, path)
+
+
+MAX_TOPK = 1024  # a teacher's top-k per position (the Tinker API's topk_prompt_logprobs allows as many)
+
+
+def _topk_targets(datum: Any, path: str) -> None:
+    """A teacher's top-k targets: both or neither, [N, k] with 1 <= k <= MAX_TOPK, log-probs finite and <= 0."""
+    ids, logprobs = datum.target_topk_ids, datum.target_topk_logprobs
+    if ids is None and logprobs is None:
+        return
+    if ids is None or logprobs is None:
+        _fail(f"{path}.target_topk_ids", "and target_topk_logprobs come together")
+    n = len(datum.tokens)
+    if ids.ndim != 2 or ids.shape[0] != n or not 1 <= ids.shape[1] <= MAX_TOPK or ids.dtype.kind not in "iu":
+        _fail(f"{path}.target_topk_ids", f"must be an integer array of shape [{n}, k] with 1 <= k <= {MAX_TOPK}")
+    if logprobs.shape != ids.shape or logprobs.dtype.kind != "f":
+        _fail(f"{path}.target_topk_logprobs", f"must be a float array of shape {ids.shape}")
+    if not np.isfinite(logprobs).all() or (logprobs > 1e-4).any():
+        _fail(f"{path}.target_topk_logprobs", "must hold finite log-probs (<= 0)")
 
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")

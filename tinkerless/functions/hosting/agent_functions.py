@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tinkerless.errors import infra_cause_tag
 from tinkerless.functions.sampling.engine import Engine, row_seed
 from tinkerless.functions.rollout.recording import EpisodeRecorder, Sequence
 from tinkerless.functions.hosting.agent_host import play_copy
@@ -57,13 +58,16 @@ class _Copy:
     images: list[tuple] = field(default_factory=list)  # per recorded call: its prompt's processed images
     error: str | None = None
     traceback: str | None = None
+    infra_cause: str | None = None  # the copy failed for an infrastructure reason (errors.infra_cause): retried, never scored
 
     def settle(self, outcome: dict) -> None:
-        """Take a `play_copy` outcome: the reward and metrics, or the error and its traceback."""
+        """Take a `play_copy` outcome: the reward and metrics, or the error, its traceback and infra cause."""
         if outcome["error"] is None:
             self.reward, self.metrics = outcome["reward"], outcome["metrics"]
         else:
             self.error, self.traceback = outcome["error"], outcome["traceback"]
+            cause = outcome.get("infra_cause")  # from a sandbox too: checked again
+            self.infra_cause = infra_cause_tag(cause) if cause else None
 
 
 class PolicyBackend:
@@ -373,13 +377,14 @@ def _episode(run: _Copy, tokenizer: Any) -> Episode:
         reward=run.reward if ok else math.nan,
         turn_rewards=[run.reward] if ok else [],
         num_turns=len(calls),
-        status="ok" if ok else "error",
+        status="ok" if ok else ("infra_failed" if run.infra_cause else "error"),
         error=run.error,
         traceback=run.traceback,
         transcript=_transcript(run, tokenizer),
         info={"agent_metrics": run.metrics, "sequences": len(sequences)} if run.metrics else {"sequences": len(sequences)},
         extra_sequences=extra,
         images=images[0] if images and ok else [],
+        infra_cause=run.infra_cause if not ok else None,
     )
 
 

@@ -18,26 +18,28 @@ import socket
 import traceback as tb
 from typing import Any, Callable
 
-from tinkerless.errors import TinkerlessError
+from tinkerless.errors import TinkerlessError, infra_cause
 from tinkerless.envs.decorators import agent_reward
 
 BASE_URL = "http://tinkerless-worker/v1"  # never resolved: the transport carries every request
 
 
 async def play_copy(agent: Callable, client: Any, task: dict, timeout: float) -> dict:
-    """{"reward", "metrics", "error", "traceback"} of one agent copy; its own failure ends only its episode."""
+    """{"reward", "metrics", "error", "traceback", "infra_cause"} of one agent copy; its own failure ends only its
+    episode. `infra_cause` is set when the agent raised an `InfrastructureFailure` (a service it needed failed)."""
     name = getattr(agent, "__qualname__", "agent")
+    cause = None
     try:
         value = await asyncio.wait_for(agent(client, copy.deepcopy(task)), timeout)
         reward, metrics = agent_reward(value, name)
-        return {"reward": reward, "metrics": metrics, "error": None, "traceback": None}
+        return {"reward": reward, "metrics": metrics, "error": None, "traceback": None, "infra_cause": None}
     except asyncio.TimeoutError as exc:
         error, trace = f"{name}: timed out after agent_timeout={timeout:g} s", "".join(tb.format_exception(exc))
     except TinkerlessError as exc:
-        error, trace = f"{name}: {type(exc).__name__}: {exc.message}", tb.format_exc()
+        error, trace, cause = f"{name}: {type(exc).__name__}: {exc.message}", tb.format_exc(), infra_cause(exc)
     except Exception as exc:  # noqa: BLE001 - the agent's own failure ends only its episode
         error, trace = f"{name}: {type(exc).__name__}: {exc}", tb.format_exc()
-    return {"reward": None, "metrics": {}, "error": error, "traceback": trace}
+    return {"reward": None, "metrics": {}, "error": error, "traceback": trace, "infra_cause": cause}
 
 
 def run_agents(agent: Callable, channel: socket.socket, tasks: list[dict], keys: list[str], timeout: float) -> list[dict]:

@@ -137,23 +137,24 @@ async def _drive(agent: HostedFunction, copies: list[_Copy], backend: PolicyBack
     serving = asyncio.create_task(server.serve())
     request = HostRequest("agents", handle=agent.handle, args=[[c.task for c in copies], [c.episode_id for c in copies]],
                           kwargs={"timeout": float(timeout)})
-    outcomes, failure, trace = None, None, None
+    outcomes, failure, trace, cause = None, None, None, None
     try:
         reply = await asyncio.get_running_loop().run_in_executor(
             None, lambda: host.request(request, timeout=timeout + HOST_MARGIN_SECONDS, channel=theirs))
         outcomes = reply.value
     except HostedCodeError as exc:
         failure, trace = f"{exc.message}" + (f" ({exc.hint})" if exc.hint else ""), exc.traceback
+        cause = "hosted_agent_died" if exc.infra_cause == "sandbox_died" else exc.infra_cause
     finally:
         theirs.close()
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
     if server.failure is not None:  # the channel killed the host: that is the reason, not "the host died"
-        failure, trace = server.failure, None
+        failure, trace, cause = server.failure, None, None
     elif failure is None and not _well_formed(outcomes, len(copies)):
         host.kill()
         failure = "the agent's sandbox answered the rollout with malformed outcomes; it was stopped"
-    return {"outcomes": outcomes, "failure": failure, "traceback": trace, "over_budget": server.over_budget,
+    return {"outcomes": outcomes, "failure": failure, "traceback": trace, "infra_cause": cause, "over_budget": server.over_budget,
             "requests": server.requests}
 
 
@@ -166,7 +167,7 @@ def _settle(copies: list[_Copy], result: dict, name: str) -> None:
     """Each copy's outcome, checked again here (the sandbox could send anything a well-formed frame holds)."""
     for i, run in enumerate(copies):
         if result["failure"] is not None:
-            run.error, run.traceback = result["failure"], result["traceback"]
+            run.error, run.traceback, run.infra_cause = result["failure"], result["traceback"], result["infra_cause"]
             continue
         if run.episode_id in result["over_budget"]:
             run.error = ("the agent made more requests than this rollout allows (copies x (max_turns + "
@@ -174,7 +175,8 @@ def _settle(copies: list[_Copy], result: dict, name: str) -> None:
             continue
         outcome = result["outcomes"][i]
         if outcome["error"] is not None:
-            run.error, run.traceback = str(outcome["error"])[:2000], str(outcome["traceback"] or "")[-8000:]
+            run.settle({"error": str(outcome["error"])[:2000], "traceback": str(outcome["traceback"] or "")[-8000:],
+                        "infra_cause": outcome.get("infra_cause")})
             continue
         try:  # the same checks as in the sandbox: a finite number, metrics a dict of name -> finite number
             run.reward, run.metrics = agent_reward(AgentResult(reward=outcome["reward"], metrics=outcome["metrics"]), name)

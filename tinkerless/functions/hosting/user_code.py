@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import tinkerless
 from tinkerless.envs.sandbox.bwrap import Profile, SpawnedSandbox, spawn
 from tinkerless.envs.sandbox.limits import SandboxLimits
-from tinkerless.errors import UserCodeError
+from tinkerless.errors import UserCodeError, infra_cause_tag
 from tinkerless.functions.rollout.rollout_clock import measure
 from tinkerless.functions.hosting.user_code_protocol import HostReply, HostRequest, Ref, RngState, read_frame, write_frame
 from tinkerless.wire.code import CodeBlob
@@ -72,16 +72,23 @@ def current_tenant() -> str:
 
 
 class HostedCodeError(UserCodeError):
-    """The tenant's code raised, hung or died in its sandbox; `traceback` is the one from inside the sandbox."""
+    """The tenant's code raised, hung or died in its sandbox; `traceback` is the one from inside the sandbox.
 
-    def __init__(self, message: str, *, hint: str | None = None, traceback: str | None = None):
+    `infra_cause` is set when the episode failed for a reason outside the policy's control: the sandbox process
+    died, or the tenant's code raised an `InfrastructureFailure` (its env server or judge failed); such episodes
+    are retried and dropped, never scored (`errors.infra_cause`)."""
+
+    def __init__(self, message: str, *, hint: str | None = None, traceback: str | None = None,
+                 infra_cause: str | None = None):
         super().__init__(message, hint=hint)
         self.traceback = traceback
+        self.infra_cause = infra_cause_tag(infra_cause) if infra_cause else None
 
 
 def _error(reply: HostReply) -> HostedCodeError:
     return HostedCodeError(
-        f"{reply.error_type}: {reply.error}", hint="raised by the tenant's code in its sandbox", traceback=reply.traceback or None
+        f"{reply.error_type}: {reply.error}", hint="raised by the tenant's code in its sandbox", traceback=reply.traceback or None,
+        infra_cause=reply.cause if isinstance(reply.cause, str) and reply.cause else None,
     )
 
 
@@ -184,6 +191,7 @@ class UserCodeHost:
                 raise HostedCodeError(
                     f"the sandboxed process running tenant code died ({exc})",
                     hint=f"it may have hit its memory or CPU limit; its last output:\n{tail}" if tail else "it may have hit its memory or CPU limit",
+                    infra_cause="sandbox_died",
                 ) from None
         if not reply.ok:
             raise _error(reply)

@@ -17,6 +17,7 @@ import sys
 import traceback
 from typing import Any
 
+from tinkerless.errors import infra_cause
 from tinkerless.functions.hosting.user_code_protocol import HostReply, HostRequest, Ref, RngState, read_frame, write_frame
 from tinkerless.wire import unpack_code
 
@@ -142,11 +143,17 @@ def _agents(request: HostRequest, objects: _Objects) -> list[dict]:
     return run_agents(objects.get(request.handle), channel, tasks, keys, float(request.kwargs["timeout"]))
 
 
+def _failed(exc: BaseException) -> HostReply:
+    """The reply for a call that raised `exc` (inside the `except` block: it keeps the traceback)."""
+    return HostReply(False, error_type=type(exc).__name__, error=str(exc)[:2000], traceback=traceback.format_exc()[-8000:],
+                     cause=infra_cause(exc) or "")
+
+
 def _answer_one(request: HostRequest, objects: _Objects) -> HostReply:
     try:
         return answer(request, objects)
     except Exception as exc:
-        return HostReply(False, error_type=type(exc).__name__, error=str(exc)[:2000], traceback=traceback.format_exc()[-8000:])
+        return _failed(exc)
 
 
 def main(requests_fd: int, replies_fd: int, control_fd: int = -1) -> None:
@@ -168,7 +175,7 @@ def main(requests_fd: int, replies_fd: int, control_fd: int = -1) -> None:
         except BaseException as exc:  # the tenant's code failed: that is an answer, not the end of the host
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) and request.op not in ("new", "call", "load"):
                 raise
-            reply = HostReply(False, error_type=type(exc).__name__, error=str(exc)[:2000], traceback=traceback.format_exc()[-8000:])
+            reply = _failed(exc)
         try:
             write_frame(replies_fd, reply)
         except Exception as exc:  # a value the codec refused

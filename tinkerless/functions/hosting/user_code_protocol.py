@@ -58,6 +58,7 @@ class HostReply:
     error_type: str = ""
     error: str = ""
     traceback: str = ""
+    cause: str = ""  # the tenant's code raised an InfrastructureFailure: its cause (a tag, re-checked on arrival)
 
 
 def write_frame(fd: int, value: Any, deadline: float | None = None) -> None:

@@ -5,7 +5,9 @@ that is GENERATING is sampled in one batch; the env then reacts to each
 sampled turn. Sampled tokens are kept exactly as sampled (mask 1, with the
 sampler's log-probs); the chat frame and env observations are appended as
 tokens with mask 0. An env or reward that raises ends only its own episode,
-which is marked `error` with the traceback and dropped from training.
+which is marked `error` with the traceback and dropped from training; one that
+raises an `InfrastructureFailure` (its env server, judge or sandbox failed) is
+marked `infra_failed` with the cause, for the client to retry (never a reward).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tinkerless.envs.base import StepResult, as_step_result, check_reward
-from tinkerless.errors import DatasetError, TinkerlessError
+from tinkerless.errors import DatasetError, TinkerlessError, infra_cause
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.sampling.engine import Engine, Generation
 from tinkerless.functions.sampling.kv_cache import KVSession
@@ -52,9 +54,11 @@ class _Run:
     traceback: str | None = None
     info: dict = field(default_factory=dict)
     session: KVSession | None = None  # its KV cache between turns, in the engine that keeps one
+    infra_cause: str | None = None
 
     def fail(self, where: str, exc: BaseException) -> None:
-        self.status = "error"
+        self.infra_cause = infra_cause(exc)
+        self.status = "error" if self.infra_cause is None else "infra_failed"
         self.error = f"{where}: {type(exc).__name__}: {exc}"
         self.traceback = _traceback_of(exc)
         self.state = EpisodeState.TERMINATED
@@ -208,7 +212,7 @@ def _run_episodes(engine, chat, runs, *, policy, sampling, limits, seed, env_cls
             _interact(run, texts[i], last_tokens[i], env_name, chat, limits, stepped[i] if stepped is not None else _NOT_STEPPED)
         close_sessions(r for r in active if r.state is not EpisodeState.GENERATING)  # finished: free their caches
 
-    scored = [r for r in runs if r.status != "error"] if reward_fn is not None else []
+    scored = [r for r in runs if r.status not in ("error", "infra_failed")] if reward_fn is not None else []
     rewards = call_each([reward_fn] * len(scored), "", [(_completion(r, env_cls is None), r.task) for r in scored])
     for run, value in zip(scored, rewards if rewards is not None else [_NOT_STEPPED] * len(scored)):
         _final_reward(run, reward_fn, env_cls is None, value)
@@ -269,9 +273,8 @@ def _final_reward(run: _Run, reward_fn: Callable, single_turn: bool, computed: A
     try:
         value = check_reward(_outcome(computed, lambda: reward_fn(completion, run.task)), name)
     except TinkerlessError as exc:
-        run.status, run.traceback = "error", _traceback_of(exc)
+        run.fail(name, exc)
         run.error = f"{name}: {type(exc).__name__}: {exc.message}"
-        run.state = EpisodeState.TERMINATED
         return
     except Exception as exc:
         run.fail(name, exc)
@@ -280,7 +283,7 @@ def _final_reward(run: _Run, reward_fn: Callable, single_turn: bool, computed: A
 
 
 def _to_episode(run: _Run) -> Episode:
-    reward = float(sum(run.turn_rewards)) if run.status != "error" else math.nan
+    reward = float(sum(run.turn_rewards)) if run.status not in ("error", "infra_failed") else math.nan
     return Episode(
         task_index=run.task_index,
         tokens=np.asarray(run.tokens, dtype=np.int32),
@@ -295,4 +298,5 @@ def _to_episode(run: _Run) -> Episode:
         traceback=run.traceback,
         transcript=run.transcript,
         info=run.info,
+        infra_cause=run.infra_cause,
     )

@@ -10,6 +10,7 @@ agent is ever trained on an opponent's tokens. Each role earns its own rewards.
 
 from __future__ import annotations
 
+import sys
 import random
 import traceback as tb
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 from tinkerless.coordinator.protocol import TurnKeeper
 from tinkerless.envs.base import MultiStepResult, check_reward
-from tinkerless.errors import ConfigError, EnvError
+from tinkerless.errors import ConfigError, EnvError, infra_cause
 from tinkerless.functions.rollout.agent_loop import EpisodeState, TokenCounts, _Run, _to_episode, close_sessions
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.sampling.engine import Engine
@@ -42,9 +43,15 @@ class _Game:
     error: str | None = None
     traceback: str | None = None
     info: dict = field(default_factory=dict)
+    infra_cause: str | None = None
 
     def fail(self, message: str) -> None:
-        self.done, self.status, self.error, self.traceback = True, "error", message, tb.format_exc()
+        """End the game on the exception being handled (called inside `except`): an `error`, or `infra_failed`
+        when a service the env needed failed (`errors.infra_cause`)."""
+        handled = sys.exc_info()[1]
+        self.infra_cause = infra_cause(handled) if handled is not None else None
+        self.done, self.error, self.traceback = True, message, tb.format_exc()
+        self.status = "error" if self.infra_cause is None else "infra_failed"
 
 
 def check_seats(env_cls: Any, seats: dict[str, Seat]) -> tuple[str, ...]:
@@ -216,8 +223,8 @@ def _apply_step(game: _Game, role: str, text: str, env_name: str) -> None:
 
 def _episode(game: _Game, role: str, seat: Seat) -> Episode:
     run = game.runs[role]
-    run.status, run.error, run.traceback = game.status, game.error, game.traceback
-    run.turn_rewards = [game.rewards[role]] if game.status != "error" else []
+    run.status, run.error, run.traceback, run.infra_cause = game.status, game.error, game.traceback, game.infra_cause
+    run.turn_rewards = [game.rewards[role]] if game.status not in ("error", "infra_failed") else []
     run.info = {**game.info, "role": role, "policy": seat.policy or BASE_POLICY, "trainable": seat.trainable, "game": game.index}
     episode = _to_episode(run)
     episode.info["outcome"] = _outcome(game, role)
@@ -226,7 +233,7 @@ def _episode(game: _Game, role: str, seat: Seat) -> Episode:
 
 def _outcome(game: _Game, role: str) -> str:
     winner = game.info.get("winner")
-    if game.status == "error" or winner is None:
+    if game.status in ("error", "infra_failed") or winner is None:
         return "unfinished"
     if winner == "draw":
         return "draw"

@@ -18,7 +18,7 @@ from tinkerless.errors import UserError
 from tinkerless.functions.rollout.agent_loop import TokenCounts, run_episodes
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.rollout.multi_agent_loop import run_games
-from tinkerless.functions.rollout.rollout_clock import TimedEngine, rollout_clock
+from tinkerless.functions.rollout.rollout_clock import TimedEngine, measure, rollout_clock
 from tinkerless.wire import unpack_code
 from tinkerless.wire.code import CodeBlob
 from tinkerless.wire.messages import BASE_POLICY, MultiAgentRolloutRequest, RolloutRequest, RolloutResult
@@ -46,13 +46,20 @@ def rollout(
     code_cache: dict[str, Any],
     check_policy: Callable[[str], Any],
     vision: Any = None,
+    judge: Callable[[list, Any], dict] | None = None,
 ) -> RolloutResult:
+    """`judge(episodes, spec)`: grades the episodes with `request.judge` (the worker's `judge`), after they are
+    played, in the same call: the step's verdicts in one batch on the same model."""
     started = time.perf_counter()
     if request.policy != BASE_POLICY:
         check_policy(request.policy)
     if request.agent is not None:
+        if request.judge is not None:
+            raise UserError("a judge grades env/reward episodes; an agent returns its own reward",
+                            hint="call the judge from the agent function, or drop judge=")
         return _agent_rollout(request, started, engine=engine, tokenizer=tokenizer, hosts=hosts, code_cache=code_cache,
                               vision=vision)
+    judged: dict = {}
     with rollout_clock() as clock:
         episodes = run_episodes(
             TimedEngine(engine),
@@ -68,8 +75,14 @@ def rollout(
             system_prompt=request.system_prompt,
             counts=(counts := TokenCounts()),
         )
+        if request.judge is not None:
+            if judge is None:
+                raise UserError("this worker runs no judge", hint="drop judge= from the rollout")
+            with measure("judge"):
+                judged = judge(episodes, request.judge)
     sampled = float(sum(e.sampled_tokens() for e in episodes))
-    stats = {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats()}
+    stats = {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats(),
+             **judged}
     return RolloutResult(episodes, stats)
 
 

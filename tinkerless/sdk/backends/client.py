@@ -94,8 +94,8 @@ class TrainingClient:
         request = SampleRequest(self.remote(self.policy), list(prompts), n, params or SamplingParams(), seed)
         return call(self.backend, "sample", request)
 
-    def forward(self, data: list[Datum], *, with_reference: bool = False) -> ForwardResult:
-        return call(self.backend, "forward", ForwardRequest(self.remote(self.policy), data, with_reference))
+    def forward(self, data: list[Datum], *, with_reference: bool = False, topk: int = 0) -> ForwardResult:
+        return call(self.backend, "forward", ForwardRequest(self.remote(self.policy), data, with_reference, topk))
 
     def forward_backward(self, data: list[Datum], loss: LossConfig | str) -> ForwardBackwardResult:
         request = ForwardBackwardRequest(self.remote(self.policy), data, _loss(loss))

@@ -29,7 +29,7 @@ from tinkerless.errors import RemoteError, ServerBusy
 from tinkerless.sdk.run.accounting import UsageMeter
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, QUEUE_SECONDS_HEADER, SEQ_HEADER, STREAM_HEADER
 
-_ENVELOPE_STATUSES = (200, 400, 401, 404, 409, 413, 500)  # statuses whose body is a msgpack envelope from the server
+_ENVELOPE_STATUSES = (200, 400, 401, 402, 404, 409, 413, 500, 503)  # statuses whose body is a msgpack envelope from the server
 _START_HINT = "start the server with `tinkerless serve --host 127.0.0.1 --port 8000 --model MODEL` and check the URL"
 
 

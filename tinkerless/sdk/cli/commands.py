@@ -93,6 +93,8 @@ _OVERRIDES = {
     "rollout_workers": int,
     "gpus": int,
     "init_from": str,
+    "teacher": str,
+    "distill_coef": float,
     "report_to": tracker_names,  # --report-to wandb,tensorboard (or the flag once per tracker); none: no trackers
 }
 

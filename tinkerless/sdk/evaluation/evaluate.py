@@ -28,6 +28,7 @@ from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.evaluation.pass_at_k import PassRule, mean_pass_at_k
 from tinkerless.sdk.backends.run_host import run_host_for
 from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
+from tinkerless.sdk.run import infra_failures
 from tinkerless.sdk.run.transcripts import episode_record, write_transcripts
 from tinkerless.sdk.tracking.base import check_report_to, tracker_names
 from tinkerless.wire import pack_code
@@ -157,8 +158,11 @@ def eval_columns(report: "EvalReport") -> dict:
 def rollout_request(config: TrainConfig, policy: str, tasks: list[dict], group_size: int, seed: int) -> RolloutRequest:
     """The rollout `train()` sends for these tasks, group size and seed: the same fields from the same config
     (`tests/test_eval.py` replays a training step from its checkpoint token for token, so they cannot drift)."""
+    from tinkerless.sdk.run.judging import split_reward
+
     env = pack_code(config.env, name=getattr(config.env, "__qualname__", None)) if config.env else None
-    reward = pack_code(config.reward, name=getattr(config.reward, "__qualname__", None)) if config.reward else None
+    code, judge = split_reward(config.reward)  # code rewards as one function, a judge beside them (as in train)
+    reward = pack_code(code, name=getattr(code, "__qualname__", None)) if code else None
     return RolloutRequest(
         policy=policy,
         tasks=tasks,
@@ -169,6 +173,7 @@ def rollout_request(config: TrainConfig, policy: str, tasks: list[dict], group_s
         env=env,
         reward=reward,
         system_prompt=config.system_prompt,
+        judge=judge,
     )
 
 
@@ -187,15 +192,18 @@ def play(
         # The first call keeps `seed` (a training step's rollout fits in one call, so eval replays it exactly);
         # later calls get seeds of their own, so no two calls sample with the same random streams.
         call_seed = seed if first == 0 else (seed * 1_000_003 + first) % MAX_SEED
-        result = client.rollout(rollout_request(config, policy, tasks[first:first + per_call], samples, call_seed))
+        # An episode whose env server, judge or sandbox failed is played again (sdk/run/infra_failures.py); one that
+        # still fails counts as an error, never as a reward.
+        result = infra_failures.play(client.rollout, rollout_request(config, policy, tasks[first:first + per_call], samples,
+                                                                     call_seed), config.infra_retries)
         for episode in result.episodes:
             episode.task_index += first
         episodes.extend(result.episodes)
     seconds = time.perf_counter() - started
-    ok = [e for e in episodes if e.status != "error"]
+    ok = [e for e in episodes if e.status not in ("error", infra_failures.INFRA_FAILED)]
     passed = [0] * len(tasks)
     for episode in episodes:
-        if 0 <= episode.task_index < len(tasks) and rule.passed(episode.reward, episode.status == "error"):
+        if 0 <= episode.task_index < len(tasks) and rule.passed(episode.reward, episode.status in ("error", infra_failures.INFRA_FAILED)):
             passed[episode.task_index] += 1
     ks = sorted(k for k in {1, config.group_size} if k <= samples)
     return EvalReport(
@@ -287,7 +295,7 @@ def evaluate(
         limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
         records = (
             {**episode_record(e, limits, step=loaded, task=chosen[e.task_index]),
-             "passed": rule.passed(e.reward, e.status == "error")}
+             "passed": rule.passed(e.reward, e.status in ("error", infra_failures.INFRA_FAILED))}
             for e in report.played
         )
         report.transcripts = write_transcripts(transcripts, records)

@@ -36,7 +36,8 @@ DEFAULT_PRICES_PER_HOUR: dict[str, float] = {
     "cpu": 0.0,
 }
 
-PHASES = ("setup", "rollout", "forward", "update", "storage")
+# "teacher": a distillation teacher's forward (`distillation`); "judge": an LLM judge's verdicts (`judging`).
+PHASES = ("setup", "rollout", "forward", "teacher", "judge", "update", "storage")
 _PRICE_HINT = "set TrainConfig(prices={'<device>': dollars_per_hour}) or TrainConfig(price_per_hour=...)"
 
 
@@ -149,16 +150,32 @@ class RunUsage:
         self._start_client_timed = meter.client_timed_calls()
         self._queue_mark = meter.queue_seconds()
         self.prior = prior or {}
+        self.extra_meters: dict[str, UsageMeter] = {}  # another model's own worker (a teacher), by its role
+
+    def add_meter(self, role: str, meter: UsageMeter) -> None:
+        """Count a second worker's seconds too (a teacher on a model of its own), in whatever phase runs them."""
+        self.extra_meters[role] = meter
+
+    def _metered(self) -> float:
+        return self.meter.total_seconds() + sum(m.total_seconds() for m in self.extra_meters.values())
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        before = self.meter.total_seconds()
+        before = self._metered()
         try:
             yield
         finally:
-            seconds = self.meter.total_seconds() - before
+            seconds = self._metered() - before
             self.phases[name] += seconds
             self.step_phases[name] += seconds
+
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Attribute `seconds` already counted in phase `source` to `target` instead (a judge batched inside a
+        rollout call: the call's own stats say how long the judge took)."""
+        seconds = max(0.0, min(float(seconds), self.phases[source]))
+        for table in (self.phases, self.step_phases):
+            table[source] -= seconds
+            table[target] += seconds
 
     def total_seconds(self) -> float:
         return sum(self.phases.values()) + seconds_total(self.prior)
@@ -202,6 +219,11 @@ class RunUsage:
                 "seconds": seconds.get(method, 0.0) - self._start_seconds.get(method, 0.0) + before.get("seconds", 0.0),
                 "calls": calls.get(method, 0) - self._start_calls.get(method, 0) + before.get("calls", 0),
             }
+        for role, meter in self.extra_meters.items():  # a second worker's calls, under its role
+            for method, spent in meter.seconds().items():
+                before = self.prior.get("by_function", {}).get(f"{role}/{method}", {})
+                by_function[f"{role}/{method}"] = {"seconds": spent + before.get("seconds", 0.0),
+                                                   "calls": meter.calls().get(method, 0) + before.get("calls", 0)}
         by_function = {m: v for m, v in by_function.items() if v["calls"]}
         client_timed = self.meter.client_timed_calls() - self._start_client_timed
         return {

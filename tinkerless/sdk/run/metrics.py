@@ -113,7 +113,8 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str |
         return [_as_float(r.get(key)) for r in records]
 
     # Optional panels appear only when some step logged a finite value for them.
-    optional = ("win_rate", "kl", "entropy", "kl_sample_train", "eval_pass@1")
+    optional = ("win_rate", "kl", "entropy", "kl_sample_train", "teacher_logprob_gap", "teacher_aligned_share",
+                "judge_share", "eval_pass@1")
     panels = ["reward_mean", "loss"] + [k for k in optional if any(math.isfinite(v) for v in series(k))]
     fig = Figure(figsize=(7, 2.4 * len(panels)), constrained_layout=True)
     FigureCanvasAgg(fig)

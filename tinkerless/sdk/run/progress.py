@@ -28,6 +28,7 @@ class Progress:
             compute_s=_fmt(record.get("compute_s/total"), 1),
             trunc=_percent(record.get("episodes_truncated_frac")),
             cost=_cost(record),
+            **_teacher(record),
             refresh=False,
         )
         self.bar.update(1)
@@ -56,6 +57,13 @@ def _fmt(value, digits: int = 3, kind: str = "f") -> str:
 
 def _percent(fraction) -> str:
     return "-" if fraction is None else f"{100 * fraction:.0f}%"
+
+
+def _teacher(record: dict) -> dict:
+    """With a teacher: its log-prob gap to the sampler (the reverse KL left to close) and the aligned share."""
+    if "teacher_logprob_gap" not in record:
+        return {}
+    return {"t_gap": _fmt(record.get("teacher_logprob_gap")), "aligned": _percent(record.get("teacher_aligned_share"))}
 
 
 def _cost(record: dict) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 from tinkerless.errors import EnvError
 from tinkerless.sdk.config import TrainConfig
+from tinkerless.sdk.run.judging import split_reward
 from tinkerless.wire import pack_code
 from tinkerless.wire.messages import EpisodeLimits, Episode, MultiAgentRolloutRequest, RolloutRequest, SamplingParams
 
@@ -29,7 +30,8 @@ class RolloutRequests:
     def __init__(self, config: TrainConfig):
         self.config = config
         self.env_code = _pack(config.env)
-        self.reward_code = _pack(config.reward)
+        reward, self.judge = split_reward(config.reward)  # code rewards run as one function; the judge beside them
+        self.reward_code = _pack(reward)
         self.agent_code = _pack(config.agent)
 
     def single_agent(self, tasks: list[dict], step: int) -> RolloutRequest:
@@ -47,6 +49,7 @@ class RolloutRequests:
             agent=self.agent_code,
             agent_timeout=config.agent_timeout,
             agent_transport=config.agent_transport,
+            judge=self.judge,
         )
 
     def multi_agent(self, tasks: list[dict], step: int, seats: Any, index: int) -> MultiAgentRolloutRequest:

@@ -1,14 +1,12 @@
 """`train()`: the RL loop, driven from the client, identical for every backend.
 
-Per step: rollout (functions) → group-relative advantages (client) →
-optional forward for TIS/KL (functions) → update (functions) → commit
-(coordinator) → metrics and, every N steps, a verified checkpoint (storage).
-The coordinator and checkpoints live where the `RunHost` says: in `storage`, or on
-the `tinkerless serve` server the backend talks to.
-The backend's compute seconds are attributed to the phase they ran in and priced
-(`accounting.RunUsage`): per step in the metrics, per run in the coordinator summary.
-What the loop sends and keeps lives beside it: the rollout requests (`rollouts`), a policy's
-update data (`batches`), what a checkpoint holds and how a resume reads it (`checkpointing`).
+Per step: rollout (functions) → group-relative advantages (client; with a teacher, its per-token term) →
+optional forward for TIS/KL (functions) → update (functions) → commit (coordinator) → metrics and, every N
+steps, a verified checkpoint (storage). The coordinator and checkpoints live where the `RunHost` says: in
+`storage`, or on the `tinkerless serve` server the backend talks to. The backend's compute seconds are
+attributed to the phase they ran in and priced (`accounting.RunUsage`): per step in the metrics, per run in
+the coordinator summary. What the loop sends and keeps lives beside it: the rollout requests (`rollouts`), a
+policy's update data (`batches`), what a checkpoint holds and how a resume reads it (`checkpointing`).
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors
 from tinkerless.sdk.run.rollouts import step_seed as _step_seed
 from tinkerless.sdk.run.step_metrics import agent_metrics, agent_result_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
-from tinkerless.sdk.run import truncation
+from tinkerless.sdk.run import distillation, infra_failures, judging, truncation
 from tinkerless.sdk.run.step_warnings import StepWarnings
 from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE, episode_record
@@ -146,6 +144,7 @@ class _Run:
                     for i, name in enumerate(self.policies)
                 }
                 self._load_frozen_adapters()
+                self.teacher = distillation.open_teacher(config, self.backend, self.namespace, self.host, self.usage, self._say)
                 self._reader_versions: list[int] = []  # a resumed async run's readers, kept in its checkpoint
                 if start:
                     self._restore()
@@ -238,6 +237,8 @@ class _Run:
                     progress.warn(record["warning"])
                 for error in record.get("errors", [])[:1]:
                     progress.write(f"step {record['step']}: episode dropped: {error['error']}")
+                if dropped := infra_failures.describe(record, config.infra_retries):
+                    progress.warn(dropped)
             with uninterrupted(), self.usage.phase("storage"):
                 self.checkpoints.finish()  # the last checkpoint is committed before the run is finished
             progress.close()
@@ -255,7 +256,7 @@ class _Run:
         if self.pipeline is not None:
             self.pipeline.close()
             self.readers.close()
-        free_policies([*self.clients.values(), *self._frozen_clients()])
+        free_policies([*self.clients.values(), *self._frozen_clients(), *distillation.teacher_clients(self.teacher)])
         self.backend.close()
         outcomes = None
         if self.multi_agent:
@@ -326,6 +327,8 @@ class _Run:
             # global barrier: every policy's rollouts are in
             self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)
         timings["rollout_s"] = time.perf_counter() - started
+        # Infrastructure failures left after their retries are out of the step: not errors, not rewards.
+        episodes, dropped = infra_failures.split(episodes, step, config.infra_retries)  # out of the step: not rewards
         check_errors(episodes, config, step)
 
         self.coordinator.begin_update(step)
@@ -341,7 +344,8 @@ class _Run:
         self._event("committed", "*")
         record = step_record(step, episodes, metrics, timings, versions, time.perf_counter() - started, self._rollout_stats)
         record["staleness"] = step - version_for(step, config.max_staleness)  # versions between sampler and update
-        record.update(truncation.columns(episodes, config.turn_limit()))
+        record.update({**infra_failures.columns(dropped, self._rollout_stats), **truncation.columns(episodes, config.turn_limit()),
+                       **judging.step_columns(self.requests.judge, self._rollout_stats, timings["rollout_s"], self.usage)})
         if warning := self.warnings.check(record):  # once per run each: the metrics line and the console say it
             record["warning"] = warning
         if self.multi_agent:
@@ -349,7 +353,8 @@ class _Run:
         record.update(agent_result_metrics(episodes))
         limits = self.requests.limits()
         self._step_episodes = []  # the transcripts episodes.jsonl gets, and the trackers' tables
-        for episode in sample_episodes(episodes, config.transcripts_per_step):
+        # Every dropped episode is written, whatever the sample: its cause is what a user reads to see what failed.
+        for episode in [*sample_episodes(episodes, config.transcripts_per_step), *dropped]:
             task = tasks[episode.task_index] if 0 <= episode.task_index < len(tasks) else None
             self._step_episodes.append(episode_record(episode, limits, step=step, task=task))
             self.transcripts.log(self._step_episodes[-1])
@@ -379,16 +384,16 @@ class _Run:
             episodes, stats = play_step(self.seats, lambda seats, i: self.requests.multi_agent(tasks, step, seats, i),
                                         view.rollout_multi, None, step, lambda event, policy: None)
             return tasks, self._play_cursor, episodes, stats
-        result = view.rollout(self.requests.single_agent(tasks, step))
+        result = infra_failures.play(view.rollout, self.requests.single_agent(tasks, step), self.config.infra_retries)
         return tasks, self._play_cursor, result.episodes, result.stats
 
     def _rollouts(self, tasks: list[dict]) -> list[Episode]:
-        result = self.clients["default"].rollout(self.requests.single_agent(tasks, self.step))
+        request = self.requests.single_agent(tasks, self.step)
+        result = infra_failures.play(self.clients["default"].rollout, request, self.config.infra_retries)
         self._rollout_stats = result.stats  # where the rollout's seconds and tokens went, for the metrics
-        episodes = result.episodes
         self.coordinator.submit_rollout(self.step, "default")
         self._event("rollouts_in", "default")
-        return episodes
+        return result.episodes
 
     def _multi_agent_rollouts(self, tasks: list[dict]) -> list[Episode]:
         def make_request(seats, index):
@@ -402,7 +407,7 @@ class _Run:
 
     def _update(self, client: TrainingClient, episodes: list[Episode], timings: dict) -> tuple[dict, int]:
         config = self.config
-        data, loss = update_batch(client, episodes, config, self.usage, timings)
+        data, loss = update_batch(client, episodes, config, self.usage, timings, self.teacher)
         if not data:  # every group had equal rewards: no signal, no step
             return {"trained_sequences": 0}, self._versions.get(client.policy, 0)
         t = time.perf_counter()

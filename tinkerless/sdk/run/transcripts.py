@@ -51,6 +51,8 @@ def episode_record(
         "info": info,
         "error": episode.error,
     }
+    if episode.infra_cause:  # dropped for an infrastructure failure (sdk/run/infra_failures.py): why
+        record["infra_cause"] = episode.infra_cause
     if episode.traceback:
         record["traceback"] = episode.traceback
     return jsonable(record)

@@ -1,0 +1,14 @@
+"""Other models in the loop: a teacher that scores the policy's samples, and a judge that grades them.
+
+Both are another model served beside the policy, metered and failing the same way, so they share a room:
+
+- `alignment`: a teacher's log-probs for the student's sampled tokens when the two tokenize differently
+  (the student's text re-rendered with the teacher's chat template, matched by character spans);
+- `endpoint`: prompt log-probs from an OpenAI-compatible endpoint (a teacher served elsewhere);
+- `judge`: an LLM judge as a reward (`tinkerless.judge`): its prompt with the completion fenced off, its verdict
+  parsed (pointwise scores, or a group ranked together), retried when unparseable, cached by content; a judge
+  that fails or times out raises `InfrastructureFailure`, never a reward of 0.
+
+The client's side of distillation (which teacher, its forward beside the policy, the advantages it gives)
+is `tinkerless.sdk.run.distillation`.
+"""
