@@ -103,6 +103,7 @@ def test_a_spent_key_is_refused_in_every_apis_error_shape(budgeted, worker):
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}, "num_samples": 1,
         "sampling_params": {"max_tokens": 2}, "base_model": resolve_model(worker.model_name)})
     assert tinker.status_code == 402 and tinker.json()["category"] == "user" and "set-budget" in tinker.json()["error"]
+    assert tinker.headers["x-should-retry"] == "false"  # the official SDK obeys it (tinker._base_client._should_retry)
     assert _usage(url, key)["calls"] == 0  # refused before any work: nothing spent
     # Another key of the same tenant, without a budget, is not held by this one's.
     assert httpx.post(f"{url}/v1/call/sample", content=_sample_body(1),
