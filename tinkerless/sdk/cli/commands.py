@@ -162,6 +162,11 @@ def _parser() -> argparse.ArgumentParser:
         "LOCAL_WORLD_SIZE; docs/scaling.md)",
     )
 
+    estimate = sub.add_parser("estimate", help="what the config's run will take: device-seconds and dollars per GPU class "
+                              "and on this CPU (docs/budgets.md)")
+    estimate.add_argument("file", help="a Python file that defines `config = tinkerless.TrainConfig(...)`")
+    estimate.add_argument("--no-calibrate", action="store_true", help="skip the CPU calibration (its first steps, run here)")
+
     keys = sub.add_parser("keys", help="manage API keys of a `tinkerless serve` storage")
     keys.add_argument("action", choices=("create", "list", "revoke", "set-budget", "usage"),
                       help="create a key (printed once), list keys, revoke one, set a key's budget, or show what keys spent")
@@ -204,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "keys":
             return _keys(args)
+        if args.command == "estimate":
+            from tinkerless.sdk.run.estimate import estimate
+
+            print(estimate(load_config(args.file), calibrate=not args.no_calibrate).table())
+            return 0
         if args.command in cli_sft.COMMANDS:
             return cli_sft.run(args)
         if args.command == "config-reference":

@@ -46,6 +46,7 @@ from tinkerless.sdk.run.multi_agent import build_seats, play_step
 from tinkerless.sdk.run.progress import Progress, final_report
 from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors
 from tinkerless.sdk.run.run_budget import RunBudget, stopped
+from tinkerless.sdk.run.estimate import dry_run as estimate_run
 from tinkerless.sdk.run.rollouts import step_seed as _step_seed
 from tinkerless.sdk.run.step_metrics import agent_metrics, agent_result_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
@@ -71,8 +72,9 @@ class RunResult:
     usage: dict = field(default_factory=dict)  # compute seconds per phase and function, device, cost (RunUsage.summary)
 
 
-def train(config: TrainConfig | None = None, *, backend: Backend | str | None = None, **settings: Any) -> RunResult:
-    """Train a policy by RL. `train(model=..., env=..., reward=..., tasks=..., steps=...)` or `train(config)`."""
+def train(config: TrainConfig | None = None, *, backend: Backend | str | None = None, dry_run: bool = False,
+          **settings: Any) -> RunResult:
+    """Train a policy by RL: `train(model=..., env=..., reward=..., tasks=...)` or `train(config)`; dry_run: estimate."""
     if config is None:
         config = TrainConfig().replace(**{k: v for k, v in settings.items() if k != "backend"})
     elif settings:
@@ -80,6 +82,8 @@ def train(config: TrainConfig | None = None, *, backend: Backend | str | None = 
     if isinstance(backend, str):
         config = config.replace(backend=backend)
     config.validate()
+    if dry_run:  # nothing trained: the run's estimate, printed and returned (sdk/run/estimate.py)
+        return estimate_run(config)  # type: ignore[return-value]
     with interruptible():  # SIGTERM stops a run like Ctrl-C: marked interrupted, resumable
         return _Run(config, backend if not isinstance(backend, (str, type(None))) else None).run()
 
@@ -443,4 +447,3 @@ class _Run:
 __all__ = ["RunResult", "train"]
 # Still importable from here after their move: evaluation and sft read CLIENT_STATE_FILE, tests and bench _step_seed.
 __all__ += ["CLIENT_STATE_FILE", "_policy_prefix", "_step_seed"]
-_final_report = final_report  # its old name (tests read it)
