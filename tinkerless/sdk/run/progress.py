@@ -18,6 +18,13 @@ class Progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, desc=description, unit="step", dynamic_ncols=True)
+            from tinkerless.sdk.backends import http
+
+            http.wait_listeners.append(self.waiting)  # a busy server's Retry-After waits show on the bar
+
+    def waiting(self, seconds: float, why: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"waiting: {why}", refresh=True)
 
     def update(self, record: dict) -> None:
         if self.bar is None:
@@ -48,6 +55,10 @@ class Progress:
 
     def close(self) -> None:
         if self.bar is not None:
+            from tinkerless.sdk.backends import http
+
+            if self.waiting in http.wait_listeners:
+                http.wait_listeners.remove(self.waiting)
             self.bar.close()
 
 
