@@ -2,7 +2,7 @@
 
 On this machine's CPU, a short live calibration: the config's first `CALIBRATION_STEPS` steps run for real (in a
 throwaway directory, nothing of the run is written), and the run is extrapolated from them: model load + first
-step + (steps - 1) x the warm step + its checkpoints. On each GPU class, the project's measured throughput
+step + (steps - 1) x their mean step + its checkpoints. On each GPU class, the project's measured throughput
 (`functions/estimate.py`, each figure naming its device and date), with what fits where from the memory planner.
 Every figure is device-seconds (what accounting bills, `compute_s/total`) and dollars at the run's prices.
 """
@@ -90,15 +90,16 @@ def _calibrated(config: TrainConfig) -> tuple[Estimate, dict]:
     phases = usage["compute_seconds"]
     per_step = [float(m["compute_s/step"]) for m in probe.metrics]
     checkpoint = float(phases.get("storage", 0.0))  # the probe's one checkpoint
-    first, warm = per_step[0], per_step[-1]
+    # A step is their mean: the first carries the warm-up, and on a shared machine either may carry a neighbour's load.
+    first, step = per_step[0], sum(per_step) / len(per_step)
     checkpoints = math.ceil(config.steps / config.checkpoint_every)
-    point = phases["setup"] + first + warm * (config.steps - 1) + checkpoint * checkpoints
+    point = phases["setup"] + first + step * (config.steps - 1) + checkpoint * checkpoints
     # The spread of a step on a busy machine: the two measured steps bound it, and at least +-15%.
-    spread = max(0.15, abs(first - warm) / max(warm, 1e-9) / 2) if steps > 1 else 0.3
+    spread = max(0.15, abs(first - per_step[-1]) / max(step, 1e-9) / 2) if steps > 1 else 0.3
     runs = (point * (1 - spread), point, point * (1 + spread))
     rate = config.price_table().per_hour("cpu")
     calibration = {"setup_s": phases["setup"], "step_s": per_step, "checkpoint_s": checkpoint, "device": usage["device"]}
-    return Estimate("cpu", (warm * (1 - spread), warm, warm * (1 + spread)), runs, rate,
+    return Estimate("cpu", (step * (1 - spread), step, step * (1 + spread)), runs, rate,
                     f"calibrated here: {steps} steps of this config"), calibration
 
 
