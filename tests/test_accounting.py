@@ -223,7 +223,7 @@ def test_final_report_and_runs_listing_show_usage(local_run, capsys):
     (row,) = [r for r in rows if r.startswith("acct-local ")]
     assert row.split()[-3:] == [f"{usage['compute_seconds_total']:.1f}", format_cost(usage["cost_usd"]), "cpu"]
 
-    from tinkerless.sdk.run.trainer import _final_report
+    from tinkerless.sdk.run.progress import final_report as _final_report
 
     report = _final_report(result)
     match = re.search(r"compute: (\d+\.\d+) CPU-seconds on cpu \(setup \d+\.\d+, rollout \d+\.\d+, forward ", report)

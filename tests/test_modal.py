@@ -464,6 +464,7 @@ def test_coordinator_runs_and_resumes_from_its_volume_directory(built, tiny_mode
     assert len((tmp_path / "runs/run-1/metrics.jsonl").read_text().splitlines()) == 2
     out = capsys.readouterr().out
     assert "run run-1 finished on Modal; last checkpoint step-2" in out and "--run-id run-1" in out
+    assert "estimate for 2 steps" in out and "L40S" in out  # printed before the coordinator was called
     assert f"checkpoints: {volume}/runs/run-1/checkpoints" in out  # on Modal: a `modal volume get` command
     assert first["usage"]["by_function"]["rollout"]["calls"] == 2 and first["usage"]["device"] == "Modal L40S"
 

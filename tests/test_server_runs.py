@@ -19,7 +19,7 @@ from safetensors.torch import load as load_safetensors
 
 import tinkerless
 from tinkerless.coordinator.policy_checkpoints import restore_policies, save_policies
-from tinkerless.errors import BarrierTimeout, CommitConflict, CorruptCheckpoint, PhaseError, StorageNotFound, UserError
+from tinkerless.errors import BarrierTimeout, CheckpointMismatch, CommitConflict, CorruptCheckpoint, PhaseError, StorageNotFound, UserError
 from tinkerless.sdk.cli.commands import main
 from tinkerless.sdk.evaluation.evaluate import evaluate
 from tinkerless.sdk.backends.http import HTTPBackend
@@ -194,7 +194,7 @@ def test_policy_checkpoint_layout_round_trips(tmp_path):
         single_store, single, ["client.json"], lambda p, files, v: loaded.update({p.name: (files, v)}), never_reset
     )
     assert loaded["default"] == ({"adapter/w": b"d"}, 1) and restored.files == {"client.json": b"{}"}
-    with pytest.raises(CorruptCheckpoint, match="no files for policy 'carol'"):
+    with pytest.raises(CheckpointMismatch, match="no files for policy .carol."):
         restore_policies(
             store, [*policies[:1], CheckpointPolicy("carol", "policies/carol/", "w-c")], [], lambda *a: None, never_reset
         )

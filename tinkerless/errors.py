@@ -66,6 +66,12 @@ class SequenceReused(ProtocolError, ValueError):
         )
 
 
+class BudgetExceeded(UserError):
+    """A call or run would spend past a budget (a key's on the server, or the run's own max_cost_usd /
+    max_compute_seconds): refused before its work starts (HTTP 402). The message names what was spent, the
+    limit, and how to raise it."""
+
+
 class PhaseError(TinkerlessError):
     """A coordinator barrier was violated (e.g. update before rollouts finished): the caller's call order (409)."""
 
@@ -90,6 +96,11 @@ class StorageNotFound(StorageError):
 
 class CorruptCheckpoint(StorageError):
     """A checkpoint failed verification against its manifest."""
+
+
+class CheckpointMismatch(UserError):
+    """A checkpoint does not hold what the caller asked to restore from it (another policy, another file
+    prefix), or a save asked for a layout that could not be restored (two policies under one prefix): HTTP 400."""
 
 
 class PreconditionFailed(StorageError):

@@ -56,7 +56,10 @@ def run_on_modal(config: Any, classes: dict, settings: ModalConfig, *, run_id: s
     shipped = ship_config(config.replace(report_to=[]))
     # The id is fixed here, before the call, so a retried coordinator resumes this run instead of starting another.
     run_id = run_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16**4):04x}"
-    print(f"run {run_id}: training on Modal\n{settings.describe()}", flush=True)
+    from tinkerless.sdk.run.estimate import before_launch
+
+    print(f"run {run_id}: training on Modal\n{settings.describe()}\n{before_launch(config, settings.update.gpu)}",
+          flush=True)  # what it will cost, before anything is spent
     result = classes["coordinator"](volume=settings.volume_name).train.remote(shipped, run_id, settings.to_json())
     if "error" in result:  # a user error in the container, raised here with its type and hint
         error = result["error"]

@@ -9,6 +9,7 @@
 - `training/`: log-probs and gradients in bounded memory; `losses`: the RL and SFT losses;
 - `sharding/`: the update over the GPUs of one machine (N ranks, FSDP2), behind the Worker's call surface;
   `memory_plan`: what a model's update and sampler need per GPU (`scaling_table`: docs/scaling.md's table);
+  `prices`: what a device-hour costs (list prices per GPU class), for the client's accounting and the server's budgets;
 - `rollout/`: a rollout request served (`requests`: its episode loop and the code its client shipped), the
   episode loops, single- and multi-agent, and chat formatting in token space;
 - `hosting/`: users' env, reward and agent code next to the model, behind the sandbox;

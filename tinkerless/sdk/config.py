@@ -14,6 +14,7 @@ from tinkerless.errors import ConfigError
 from tinkerless.functions.losses import LOSS_NAMES, LossConfig
 from tinkerless.envs.base import is_multi_agent
 from tinkerless.sdk.run.accounting import PriceTable
+from tinkerless.sdk.run.run_budget import check_limit
 from tinkerless.sdk.run.advantages import AdvantageConfig
 from tinkerless.sdk.run.agents import check_roles, seatings, trainable_policies
 from tinkerless.sdk.run.distillation import check_teacher
@@ -125,6 +126,8 @@ class TrainConfig:
     # pay-per-use: device seconds are priced in $/hour; see tinkerless.sdk.run.accounting.DEFAULT_PRICES_PER_HOUR
     prices: dict[str, float] | None = None  # device name -> $/hour, tried before the defaults ("H100": 2.0)
     price_per_hour: float | None = None  # one flat $/hour for whatever device runs the functions
+    max_cost_usd: float | None = None  # the run stops (checkpointed, resumable) before a step that would cost more
+    max_compute_seconds: float | None = None  # the same limit in device-seconds
     # held-out evaluation while training (docs/eval.md)
     eval_every: int | None = None  # every N steps, from step 0: play eval_tasks with the current policy (no training); None: never
     eval_tasks: Any = None  # held-out tasks for eval_every and `tinkerless eval` (the forms of tasks); episodes per task: group_size
@@ -210,6 +213,8 @@ class TrainConfig:
         self.loss_config().validate()
         self.advantage_config().validate()
         self.price_table()
+        check_limit("max_cost_usd", self.max_cost_usd)
+        check_limit("max_compute_seconds", self.max_compute_seconds)
 
     def _validate_eval(self) -> None:
         if self.eval_every is None:

@@ -99,6 +99,11 @@ FIELD_DOCS: dict[str, str] = {
     "transcripts_per_step": "Whole episodes per step written to `runs/<id>/episodes.jsonl` (messages, "
     "per-turn rewards, token counts, status); 0: none.",
     "prices": "Device name -> $/hour, tried before the built-in list prices (e.g. `{'H100': 3.95}`).",
+    "max_cost_usd": "The run's budget in dollars (its device-seconds at `prices`): before each step the run checks "
+    "that the step still fits, expecting it to cost as much as its costliest step so far; when it does not, the run "
+    "saves a checkpoint and stops with `BudgetExceeded` (marked interrupted). Raise it and resume: the run goes on "
+    "exactly as if it had never stopped (docs/budgets.md). None: no limit.",
+    "max_compute_seconds": "The same budget in device-seconds (`compute_s/total`); None: no limit.",
     "price_per_hour": "One flat $/hour for whatever device runs the functions (overrides `prices`).",
     "report_to": "Experiment trackers to log the run to: any of `wandb`, `tensorboard`, `mlflow` (each an extra: "
     "`pip install 'tinkerless[wandb]'`). Per-step metrics, the config, sample transcripts, the cost summary and the "

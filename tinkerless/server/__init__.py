@@ -7,7 +7,9 @@
 - `scheduler.Scheduler`: one model, calls in each client's sequence order, tenants in turn, 429 when full;
   `streams`: that per-client sequence order (calls held until their predecessors arrive, gaps skipped);
 - `stats.ServerStats`: the `/metrics` counters (Prometheus text);
-- `keys.KeyStore`: API keys, stored hashed; `tenancy`: per-tenant scoping of policy names.
+- `keys.KeyStore`: API keys, stored hashed, with their budgets; `budgets.KeyBudgets`: what each key spent,
+  reserved before a call's work and settled after it (402 past its budget); `tenancy`: per-tenant scoping of
+  policy names.
 FastAPI and uvicorn load only when this package is imported (extra `serve`).
 """
 

@@ -4,7 +4,9 @@
                              200: encoded reply; 400/500: encoded `ErrorReply` (user/server);
                              413: encoded `ErrorReply` (ProtocolError) when the body is too large;
                              429 + Retry-After: the queue is full
+                             402: encoded `ErrorReply` (BudgetExceeded): the key's budget would be exceeded
     POST /v1/runs/...        server-hosted runs: coordinator calls and checkpoints (see `runs`)
+    GET  /v1/usage           what the caller's key spent, holds and may still spend (see `budgets`)
     GET  /healthz            {"status": "ok", "model": ..., "policies": {name: version}}
     GET  /metrics            Prometheus text: queue depth, calls in flight, requests, CPU/GPU
     /api/v1/...              the Tinker API, for the official `tinker` SDK (see `tinker_api`)
@@ -35,8 +37,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinkerless.errors import ProtocolError, SequenceReused, ServerBusy, TinkerlessError, UserError
+from tinkerless.errors import BudgetExceeded, ProtocolError, SequenceReused, ServerBusy, TinkerlessError, UserError
 from tinkerless.wire.http import RequestTooLarge, read_body
+from tinkerless.server.budgets import KeyBudgets, calling_key
 from tinkerless.server.keys import KeyStore
 from tinkerless.server.limits import LimitExceeded, ServingLimits
 from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
@@ -81,6 +84,7 @@ def create_app(
     limits: ServingLimits | None = None,
     slice_seconds: float = 0.05,
     tinker_api: bool = True,
+    price_per_hour: float | None = None,
 ) -> FastAPI:
     """A FastAPI app serving one worker (or the worker a zero-argument factory builds, built now).
 
@@ -91,6 +95,8 @@ def create_app(
     tenant-prefixed. Past `max_pending` queued calls in all, or `max_pending_per_tenant` unfinished
     calls of one tenant, the server answers 429. `limits` (default: `ServingLimits()`) bound what one
     request may generate; `slice_seconds` is how long a generation runs before yielding to others.
+    `price_per_hour` prices the server's device-seconds for the keys' budgets (default: the list price of the
+    worker's device, `functions/prices.py`; the CPU is free, so budgets on a CPU server need a price).
     """
     worker: Handler = (
         worker_factory_or_worker
@@ -105,8 +111,12 @@ def create_app(
     if hasattr(worker, "policy_guard"):  # a tenant's policies count against its quota
         worker.policy_guard = policy_quota(worker, limits)
     model_free = frozenset(getattr(worker, "MODEL_FREE_METHODS", ()))  # answered at once, off the scheduler
+    budgets = None
+    if keys is not None:  # keys' spending, against their budgets (server/budgets.py)
+        budgets = KeyBudgets(keys, keys.store, _server_price(worker, price_per_hour))
+    app.state.budgets = budgets
     scheduler = Scheduler(max_pending=max_pending, max_pending_per_tenant=max_pending_per_tenant,
-                          slice_seconds=slice_seconds)
+                          slice_seconds=slice_seconds, budgets=budgets)
     app.state.scheduler = scheduler
     # Shutdown cancels the generations this app queued for callers that wait on nothing else (the OpenAI routes);
     # training calls run to the end, so a policy is never left half-updated.
@@ -120,7 +130,10 @@ def create_app(
             return ""
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
-        return keys.tenant_for(key)
+        found = keys.lookup(key)
+        # The key the scheduler charges this request's work to (its budget): this request's context only.
+        calling_key.set(found[1].key_id if found is not None and found[1] is not None else None)
+        return found[0] if found is not None else None
 
     known_methods = set(getattr(worker, "METHODS", ()))
 
@@ -188,7 +201,12 @@ def create_app(
             return _reply(label, tenant, *run())
 
         try:
-            future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq, policies=policies)
+            future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq, policies=policies, charge=label)
+        except BudgetExceeded as exc:  # refused before its work: its sequence number must not hold later calls
+            if stream is not None:
+                scheduler.skip(tenant, stream, seq)
+            stats.count(label, 402)
+            return error_response(402, exc)
         except QueueFull as full:
             stats.count(label, 429)
             return error_response(
@@ -266,6 +284,17 @@ def create_app(
             return JSONResponse({"error": "missing or invalid API key", "category": "user"}, status_code=401)
         return Response(content=stats.prometheus(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> Response:
+        """What the caller's key spent on this server, what its running calls hold, and its budget."""
+        tenant, key_id = tenant_of(request), calling_key.get()
+        if tenant is None:
+            return unauthorized()
+        if budgets is None or key_id is None:
+            return JSONResponse({"error": "this server's calls are not metered per key (it runs without API keys, "
+                                 "or the key came from its environment)", "category": "user"}, status_code=404)
+        return JSONResponse(budgets.usage(key_id))
+
     @app.get("/healthz")
     async def healthz(request: Request) -> JSONResponse:
         tenant = tenant_of(request)
@@ -278,6 +307,20 @@ def create_app(
 
     return app
 
+
+
+def _server_price(worker: Any, price_per_hour: float | None) -> float:
+    """The $/hour the keys' budgets are charged at: the one given, else the list price of the worker's device."""
+    from tinkerless.functions.prices import PriceTable, check_price
+
+    if price_per_hour is not None:
+        return check_price("price_per_hour", price_per_hour)
+    try:
+        info = worker.info()
+        device = str(info.get("device_name") or info.get("device") or "unknown")
+    except Exception:  # noqa: BLE001 - a worker that cannot say: its seconds are priced at 0
+        return 0.0
+    return PriceTable().per_hour(device) or 0.0
 
 
 def _check_limits(limits: ServingLimits, worker, method: str, request: Any) -> None:

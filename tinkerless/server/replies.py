@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tinkerless.errors import (
-    BarrierTimeout, CommitConflict, PhaseError, ProtocolError, StorageNotFound, TinkerlessError, UserError,
+    BarrierTimeout, BudgetExceeded, CommitConflict, PhaseError, ProtocolError, StorageNotFound, TinkerlessError, UserError,
     infra_cause,
 )
 from tinkerless.wire import encode_message
@@ -57,6 +57,8 @@ def status_of(exc: TinkerlessError) -> int:
     or 500."""
     if infra_cause(exc) is not None:
         return 503
+    if isinstance(exc, BudgetExceeded):
+        return 402
     if isinstance(exc, (PhaseError, BarrierTimeout, CommitConflict)):
         return 409
     if isinstance(exc, StorageNotFound):

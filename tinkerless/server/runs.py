@@ -34,7 +34,9 @@ from fastapi.responses import Response
 from tinkerless.coordinator import Coordinator, checkpoint_prefix, list_runs
 from tinkerless.coordinator.policy_checkpoints import restore_policies, save_policies
 from tinkerless.coordinator.state import state_key, validate_run_id
-from tinkerless.errors import BarrierTimeout, CommitConflict, ProtocolError, ServerBusy, TinkerlessError, UserError
+from tinkerless.errors import (
+    BarrierTimeout, CommitConflict, PhaseError, ProtocolError, ServerBusy, TinkerlessError, UserError,
+)
 from tinkerless.wire.http import RequestTooLarge, read_body
 from tinkerless.server.replies import Redactor, error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
@@ -171,6 +173,10 @@ class RunService:
         def read(policy: CheckpointPolicy) -> dict[str, bytes]:
             return self.worker.save_state(SaveStateRequest(_on_worker(tenant, policy), True)).files
 
+        at = hosted.coordinator.state.step
+        if request.step > at:  # refused before anything is written: a checkpoint the run could not name
+            raise PhaseError(f"cannot save a checkpoint for step {request.step}: run {request.run_id!r} is at step {at}",
+                             hint="save the step whose update was committed (0 <= step <= current step)")
         checkpoints = self._checkpoints(tenant, request.run_id, request.keep_last)
         save_policies(checkpoints, request.step, request.policies, read, request.files, request.metadata)
         hosted.coordinator.record_checkpoint(request.step)  # the run's state names its checkpoint at once

@@ -113,7 +113,9 @@ class Scheduler:
         max_pending_per_tenant: int | None = None,
         gap_timeout: float = 30.0,
         slice_seconds: float = 0.05,
+        budgets: Any = None,
     ):
+        self.budgets = budgets  # server/budgets.KeyBudgets: a charged job is reserved against its key's budget
         self.max_pending = max_pending
         self.max_pending_per_tenant = max_pending_per_tenant
         self.gap_timeout = gap_timeout
@@ -147,9 +149,40 @@ class Scheduler:
         stream: str | None = None,
         seq: int | None = None,
         policies: frozenset[str] = frozenset(),
+        charge: str | None = None,
     ) -> concurrent.futures.Future:
         """Queue `fn`, which changes `policies`; its future resolves to fn's result (or exception) once it
-        has run, or to `StaleDriver` when one of those policies belongs to another stream's run."""
+        has run, or to `StaleDriver` when one of those policies belongs to another stream's run. A `charge`d
+        job (its kind: "rollout", "openai", ...) is first reserved against the calling key's budget, which
+        raises `BudgetExceeded` when it would not fit (server/budgets.py), and settled with its seconds."""
+        reservation = None
+        if charge is not None and self.budgets is not None:
+            from tinkerless.server.budgets import calling_key
+
+            reservation = self.budgets.reserve(calling_key.get(), charge)
+        if reservation is not None:
+            fn = self._charged(fn, reservation)
+        try:
+            future = self._submit(fn, tenant, stream, seq, policies)
+        except BaseException:
+            self.budgets.release(reservation) if reservation is not None else None
+            raise
+        if reservation is not None:  # a job refused or dropped before it ran gives its hold back
+            future.add_done_callback(lambda _: self.budgets.release(reservation))
+        return future
+
+    def _charged(self, fn: Callable[[], Any], reservation: Any) -> Callable[[], Any]:
+        def run() -> Any:
+            started = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self.budgets.settle(reservation, time.perf_counter() - started)
+
+        return run
+
+    def _submit(self, fn: Callable[[], Any], tenant: str, stream: str | None, seq: int | None,
+                policies: frozenset[str]) -> concurrent.futures.Future:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the scheduler is closed")

@@ -34,6 +34,7 @@ def serve(
     slice_seconds: float = 0.05,
     log_level: str = "info",
     single_user: bool = False,
+    price_per_hour: float | None = None,
     **worker_options: Any,
 ) -> None:
     """Load `model` into a Worker and serve it until interrupted (binds to localhost unless told otherwise).
@@ -73,6 +74,7 @@ def serve(
         slice_seconds=slice_seconds,
         keys=keys,
         storage=storage or ".",
+        price_per_hour=price_per_hour,
     )
 
     class Server(uvicorn.Server):

@@ -203,6 +203,25 @@ def _checkpoint_file_prefix(value: Any, path: str) -> None:
     check_file_key(value, where=path, allow_empty=True, trailing_slash=True)
 
 
+def _saved_policies(value: Any, path: str) -> None:
+    _non_empty(value, path)
+    _checkpoint_policies(value, path)
+
+
+def _checkpoint_policies(value: Any, path: str) -> None:
+    """No two policies with the same name or file prefix: such a save could not be restored (which policy's
+    files are under the prefix?), nor such a restore tell its policies apart."""
+    seen: dict[str, dict[Any, Any]] = {"name": {}, "file_prefix": {}}
+    for i, policy in enumerate(value):
+        for field, names in seen.items():
+            key = getattr(policy, field, None)
+            if isinstance(key, str) and key in names:
+                _fail(f"{path}[{i}].{field}", f"{key[:64]!r} is also policy {names[key]}'s: a checkpoint's policies "
+                      "need names and file prefixes of their own (e.g. 'policies/NAME/')")
+            if isinstance(key, str):
+                names[key] = i
+
+
 def _file_keys(value: Any, path: str) -> None:
     """Names of checkpoint files (map keys or a list): relative keys of plain file names, nothing path-shaped."""
     for key in value:
@@ -317,9 +336,9 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
         r.CheckpointPolicy: {"name": policy_name, "file_prefix": _checkpoint_file_prefix,
                              "worker_policy": policy_name, "version": step},
         r.SaveCheckpointRequest: {"run_id": _run_id, "step": step, "keep_last": count, "metadata": _json_object,
-                                  "files": _file_keys, "policies": _non_empty},
+                                  "files": _file_keys, "policies": _saved_policies},
         r.RestoreCheckpointRequest: {"run_id": _run_id, "step": step, "keep_last": count,
-                                     "client_files": _file_keys},
+                                     "client_files": _file_keys, "policies": _checkpoint_policies},
         r.RunCall: {"run_id": _run_id},
     }
 

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from tinkerless.errors import ModelNotFoundError, ServerBusy, TinkerlessError
+from tinkerless.errors import BudgetExceeded, ModelNotFoundError, ServerBusy, TinkerlessError
 from tinkerless.functions.sampling.token_stream import Cancellation
 from tinkerless.wire.http import RequestTooLarge, read_body
 from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError, TokenSampling
@@ -62,6 +62,8 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
         status, kind, param, code = 404, "invalid_request_error", "model", "model_not_found"
     elif isinstance(exc, ServerBusy):
         status, kind, param, code = 429, "rate_limit_error", None, "server_busy"
+    elif isinstance(exc, BudgetExceeded):  # OpenAI names a spent quota "insufficient_quota"; 402: nothing ran
+        status, kind, param, code = 402, "insufficient_quota", None, "budget_exceeded"
     elif isinstance(exc, TinkerlessError) and exc.category == "user":
         status, kind, param, code = 400, "invalid_request_error", None, type(exc).__name__
     elif isinstance(exc, TinkerlessError):

@@ -8,8 +8,10 @@ body) goes into `self.usage`: queueing and network time are not billed.
 
 Every call carries this client's stream id and a sequence number, so the server runs
 them in the order they were made even when threads or retries make them arrive out of
-order. A 429 (queue full) is retried after the server's Retry-After, with the same
-sequence number, for up to `busy_timeout` seconds. The stream id also names this client
+order. A 429 (queue full), or a 503 that carries a Retry-After (a server or its proxy
+restarting), is retried after the server's Retry-After, with the same sequence number,
+for up to `busy_timeout` seconds; each wait is announced to `wait_listeners` (the
+progress bar shows it). The stream id also names this client
 as a run's driver: once another client opens (takes over) the run, the server refuses
 this one's calls on the run's policies with `StaleDriver` (409).
 """
@@ -30,6 +32,8 @@ from tinkerless.sdk.run.accounting import UsageMeter
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, QUEUE_SECONDS_HEADER, SEQ_HEADER, STREAM_HEADER
 
 _ENVELOPE_STATUSES = (200, 400, 401, 402, 404, 409, 413, 500, 503)  # statuses whose body is a msgpack envelope from the server
+# Called with (seconds, why) before each wait on a busy server: the progress bar shows it (`run/progress.py`).
+wait_listeners: list = []
 _START_HINT = "start the server with `tinkerless serve --host 127.0.0.1 --port 8000 --model MODEL` and check the URL"
 
 
@@ -79,15 +83,19 @@ class HTTPBackend:
         deadline = time.monotonic() + self.busy_timeout
         while True:
             response = self._post(label, url, path, payload, headers)
-            if response.status_code != 429:
+            status = response.status_code
+            if status != 429 and not (status == 503 and "retry-after" in response.headers):
                 break
             wait = _retry_after(response)
             if time.monotonic() + wait > deadline:
                 raise ServerBusy(
-                    f"{url} stayed busy (HTTP 429, queue full) for {self.busy_timeout:.0f}s",
-                    hint="the server is overloaded: retry later, raise HTTPBackend(busy_timeout=...), "
+                    f"{url} stayed busy (HTTP {status}, {'queue full' if status == 429 else 'unavailable'}) "
+                    f"for {self.busy_timeout:.0f}s",
+                    hint="the server is overloaded or restarting: retry later, raise HTTPBackend(busy_timeout=...), "
                     "or start more servers",
                 )
+            for listener in list(wait_listeners):
+                listener(wait, f"{label}: HTTP {status}, retrying after {wait:.0f}s")
             time.sleep(wait)
         if response.status_code in _ENVELOPE_STATUSES and response.headers.get("content-type", "").startswith(MSGPACK):
             if ordered:

@@ -138,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending", type=int, default=1024, help="queued calls before HTTP 429 (default: %(default)s)")
     _serving_limit_flags(serve)
     serve.add_argument("--no-auth", action="store_true", help="accept calls without an API key (trusted networks only)")
+    serve.add_argument("--price-per-hour", type=float, default=None, metavar="DOLLARS",
+                       help="$/hour the keys' budgets are charged at (default: the list price of the device; the CPU's is 0)")
     serve.add_argument(
         "--threads", type=int, default=None,
         help="CPU threads for the model (default: OMP_NUM_THREADS, else the free usable cores; docs/threads.md)",
@@ -162,10 +164,18 @@ def _parser() -> argparse.ArgumentParser:
         "LOCAL_WORLD_SIZE; docs/scaling.md)",
     )
 
+    estimate = sub.add_parser("estimate", help="what the config's run will take: device-seconds and dollars per GPU class "
+                              "and on this CPU (docs/budgets.md)")
+    estimate.add_argument("file", help="a Python file that defines `config = tinkerless.TrainConfig(...)`")
+    estimate.add_argument("--no-calibrate", action="store_true", help="skip the CPU calibration (its first steps, run here)")
+
     keys = sub.add_parser("keys", help="manage API keys of a `tinkerless serve` storage")
-    keys.add_argument("action", choices=("create", "list", "revoke"), help="create a key (printed once), list keys, or revoke one")
-    keys.add_argument("key_id", nargs="?", help="the key id to revoke (see `tinkerless keys list`)")
+    keys.add_argument("action", choices=("create", "list", "revoke", "set-budget", "usage"),
+                      help="create a key (printed once), list keys, revoke one, set a key's budget, or show what keys spent")
+    keys.add_argument("key_id", nargs="?", help="the key id to revoke, budget or show (see `tinkerless keys list`)")
     keys.add_argument("--tenant", help="tenant the new key belongs to (needed by create)")
+    keys.add_argument("--budget-usd", metavar="DOLLARS",
+                      help="what the key may spend on the server's compute (create, set-budget; 'none': no limit; docs/budgets.md)")
     keys.add_argument("--storage", default=".", help="the server's --storage (default: %(default)s)")
 
     runs = sub.add_parser(
@@ -201,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "keys":
             return _keys(args)
+        if args.command == "estimate":
+            from tinkerless.sdk.run.estimate import estimate
+
+            print(estimate(load_config(args.file), calibrate=not args.no_calibrate).table())
+            return 0
         if args.command in cli_sft.COMMANDS:
             return cli_sft.run(args)
         if args.command == "config-reference":
@@ -285,7 +300,7 @@ def _serve(args) -> int:
         max_request_bytes=args.max_request_bytes, max_pending=args.max_pending,
         max_pending_per_tenant=args.max_pending_per_tenant, slice_seconds=args.slice_seconds, single_user=args.single_user,
         limits=ServingLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServingLimits)}),
-        threads=args.threads, dtype=args.dtype, gpus=_gpus(args),
+        threads=args.threads, dtype=args.dtype, gpus=_gpus(args), price_per_hour=args.price_per_hour,
     )
     return 0
 
@@ -301,15 +316,31 @@ def _gpus(args) -> int:
 
 
 def _keys(args) -> int:
-    from tinkerless.server.keys import KeyStore
+    from tinkerless.server.budgets import stored_usage, usage_row
+    from tinkerless.server.keys import KeyStore, parse_budget
     from tinkerless.storage import ObjectStore
 
     store = KeyStore(ObjectStore(args.storage))
+    budget = parse_budget(args.budget_usd) if args.budget_usd is not None else None
     if args.action == "create":
         if not args.tenant:
             raise ConfigError("keys create needs --tenant NAME")
-        print(store.create(args.tenant))
+        print(store.create(args.tenant, budget_usd=budget))
         print("store this key now: only its hash is kept", file=sys.stderr)
+    elif args.action == "set-budget":
+        if not args.key_id or args.budget_usd is None:
+            raise ConfigError("keys set-budget needs the key id and --budget-usd DOLLARS (or 'none')")
+        store.set_budget(args.key_id, budget)
+        print(f"{args.key_id}: budget {'none' if budget is None else f'${budget:.2f}'} (a running server applies it "
+              "on the key's next call)")
+    elif args.action == "usage":
+        spent = stored_usage(store.store)
+        for record in store.list():
+            if args.key_id in (None, record.key_id):
+                row = usage_row(record.key_id, record.tenant, record.budget_usd, spent.get(record.key_id, {}), 0.0, None)
+                limit = "no limit" if row["budget_usd"] is None else f"of ${row['budget_usd']:.2f}"
+                print(f"{record.key_id}  {record.tenant:<20} ${row['spent_usd']:.4f} {limit:<14} "
+                      f"{row['compute_seconds']:.1f} s in {row['calls']} calls")
     elif args.action == "list":
         for record in store.list():
             state = "revoked" if record.revoked else "active"

@@ -9,36 +9,18 @@ those seconds to the trainer's phases and prices them with a `PriceTable`.
 from __future__ import annotations
 
 import contextlib
-import math
-import re
 import threading
-import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 
-from tinkerless.errors import ConfigError
+# Prices live with the functions (the server's budgets and the estimates read them too); still importable here.
+from tinkerless.functions.prices import DEFAULT_PRICES_PER_HOUR, PRICE_HINT as _PRICE_HINT, PriceTable  # noqa: F401
 
 # The server's timing of the function body, sent on every /v1/call reply (server and client share it).
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER  # noqa: F401 - re-exported for backends
 
-# Modal list prices, mid-2026 (https://modal.com/pricing), in $ per GPU-hour. "cpu" is the local
-# backend's device: your own machine, free by default.
-DEFAULT_PRICES_PER_HOUR: dict[str, float] = {
-    "B200": 6.25,
-    "H200": 4.54,
-    "H100": 3.95,
-    "A100-80GB": 2.50,
-    "A100": 2.10,  # the 40 GB card; the 80 GB one matches the more specific key above
-    "L40S": 1.95,
-    "A10G": 1.10,
-    "L4": 0.80,
-    "T4": 0.59,
-    "cpu": 0.0,
-}
-
 # "teacher": a distillation teacher's forward (`distillation`); "judge": an LLM judge's verdicts (`judging`).
 PHASES = ("setup", "rollout", "forward", "teacher", "judge", "update", "storage")
-_PRICE_HINT = "set TrainConfig(prices={'<device>': dollars_per_hour}) or TrainConfig(price_per_hour=...)"
 
 
 class UsageMeter:
@@ -87,49 +69,6 @@ class UsageMeter:
     def client_timed_calls(self) -> int:
         with self._lock:
             return self._client_timed_calls
-
-
-class PriceTable:
-    """Dollars per device-hour, found by device name.
-
-    A key matches a device when every word of the key is a word of the device name,
-    case-insensitively ("H100" matches "NVIDIA H100 80GB HBM3", "A100-80GB" matches
-    "NVIDIA A100-SXM4-80GB", "L4" does not match "NVIDIA L40S"). The user's keys are
-    tried before the defaults; among matches the most specific key wins. A flat
-    `price_per_hour` prices every device.
-    """
-
-    def __init__(self, prices: Mapping[str, float] | None = None, *, price_per_hour: float | None = None):
-        self.user = {str(k): _price(k, v) for k, v in (prices or {}).items()}
-        for key in self.user:
-            if not _words(key):
-                raise ConfigError(f"prices key {key!r} names no device", hint="use a device name such as 'H100' or 'cpu'")
-        self.flat = None if price_per_hour is None else _price("price_per_hour", price_per_hour)
-        self._warned: set[str] = set()
-
-    def per_hour(self, device: str) -> float | None:
-        """The $/hour for `device`, or None when no key matches."""
-        if self.flat is not None:
-            return self.flat
-        for table in (self.user, DEFAULT_PRICES_PER_HOUR):
-            matches = [key for key in table if set(_words(key)) <= set(_words(device))]
-            if matches:
-                return table[max(matches, key=lambda k: (len(_words(k)), len(k)))]
-        return None
-
-    def cost(self, device: str, seconds: float) -> float | None:
-        """Dollars for `seconds` on `device`; None (with one warning per device) when its price is unknown."""
-        rate = self.per_hour(device)
-        if rate is None:
-            if device not in self._warned:
-                self._warned.add(device)
-                warnings.warn(
-                    f"no price known for device {device!r}, so the run's cost is reported as n/a; {_PRICE_HINT}",
-                    UserWarning,
-                    stacklevel=2,
-                )
-            return None
-        return seconds * rate / 3600.0
 
 
 class RunUsage:
@@ -295,16 +234,3 @@ def format_cost(cost: float | None) -> str:
 
 def _seconds(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
-
-
-def _words(name: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", str(name).lower())
-
-
-def _price(key: object, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigError(
-            f"price for {key!r} must be a non-negative number of dollars per hour, got {value!r}",
-            hint="e.g. prices={'H100': 3.95} or price_per_hour=2.5",
-        )
-    return float(value)

@@ -1,11 +1,14 @@
-"""A tqdm progress bar with live reward, loss, tokens/s and the run's compute so far (seconds, $)."""
+"""A tqdm progress bar with live reward, loss, tokens/s and the run's compute so far (seconds, $), and the
+report a finished run prints."""
 
 from __future__ import annotations
 
 import math
 import sys
 
-from tinkerless.sdk.run.accounting import format_cost
+from tinkerless.sdk.run.accounting import format_cost, format_usage
+from tinkerless.sdk.run.metrics import describe_rewards, reward_summary
+from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE
 
 
 class Progress:
@@ -15,6 +18,13 @@ class Progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, desc=description, unit="step", dynamic_ncols=True)
+            from tinkerless.sdk.backends import http
+
+            http.wait_listeners.append(self.waiting)  # a busy server's Retry-After waits show on the bar
+
+    def waiting(self, seconds: float, why: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"waiting: {why}", refresh=True)
 
     def update(self, record: dict) -> None:
         if self.bar is None:
@@ -46,6 +56,10 @@ class Progress:
 
     def close(self) -> None:
         if self.bar is not None:
+            from tinkerless.sdk.backends import http
+
+            if self.waiting in http.wait_listeners:
+                http.wait_listeners.remove(self.waiting)
             self.bar.close()
 
 
@@ -68,3 +82,14 @@ def _teacher(record: dict) -> dict:
 
 def _cost(record: dict) -> str:
     return format_cost(record["cost_usd"]) if "cost_usd" in record else "-"
+
+
+def final_report(result) -> str:
+    """What a finished run prints: rewards, where its files are, how to resume it, what it used."""
+    return (
+        f"run {result.run_id} finished: {describe_rewards(reward_summary(result.metrics))}\n"
+        f"  metrics: {result.run_dir / 'metrics.jsonl'}\n  plot:    {result.plot_path}\n"
+        f"  episodes: {result.run_dir / TRANSCRIPTS_FILE}\n"
+        f"  checkpoint: step-{result.last_checkpoint_step} (resume with --resume --run-id {result.run_id})"
+        + (f"\n  compute: {format_usage(result.usage)}" if result.usage else "")
+    )

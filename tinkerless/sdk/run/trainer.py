@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from tinkerless.coordinator import Coordinator
-from tinkerless.errors import UserError
-from tinkerless.sdk.run.accounting import RunUsage, format_usage, latest_usage
+from tinkerless.errors import BudgetExceeded, UserError
+from tinkerless.sdk.run.accounting import RunUsage, latest_usage
 from tinkerless.sdk.run.batches import update_batch
 from tinkerless.sdk.backends.base import Backend, device_of, make_backend, with_usage
 from tinkerless.sdk.backends.client import TrainingClient, free_policies
@@ -35,15 +35,16 @@ from tinkerless.sdk.run.agents import frozen_adapters, trainable_policies
 from tinkerless.sdk.run.checkpointing import CLIENT_STATE_FILE, Checkpoints, _policy_prefix
 from tinkerless.sdk.run.metrics import (
     MetricsWriter,
-    describe_rewards,
     plot_metrics,
     plot_outcomes,
     read_metrics,
     reward_summary,
 )
 from tinkerless.sdk.run.multi_agent import build_seats, play_step
-from tinkerless.sdk.run.progress import Progress
+from tinkerless.sdk.run.progress import Progress, final_report
 from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors
+from tinkerless.sdk.run.run_budget import RunBudget, stopped
+from tinkerless.sdk.run.estimate import dry_run as estimate_run
 from tinkerless.sdk.run.rollouts import step_seed as _step_seed
 from tinkerless.sdk.run.step_metrics import agent_metrics, agent_result_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
@@ -69,8 +70,9 @@ class RunResult:
     usage: dict = field(default_factory=dict)  # compute seconds per phase and function, device, cost (RunUsage.summary)
 
 
-def train(config: TrainConfig | None = None, *, backend: Backend | str | None = None, **settings: Any) -> RunResult:
-    """Train a policy by RL. `train(model=..., env=..., reward=..., tasks=..., steps=...)` or `train(config)`."""
+def train(config: TrainConfig | None = None, *, backend: Backend | str | None = None, dry_run: bool = False,
+          **settings: Any) -> RunResult:
+    """Train a policy by RL: `train(model=..., env=..., reward=..., tasks=...)` or `train(config)`; dry_run: estimate."""
     if config is None:
         config = TrainConfig().replace(**{k: v for k, v in settings.items() if k != "backend"})
     elif settings:
@@ -78,6 +80,8 @@ def train(config: TrainConfig | None = None, *, backend: Backend | str | None = 
     if isinstance(backend, str):
         config = config.replace(backend=backend)
     config.validate()
+    if dry_run:  # nothing trained: the run's estimate, printed and returned (sdk/run/estimate.py)
+        return estimate_run(config)  # type: ignore[return-value]
     with interruptible():  # SIGTERM stops a run like Ctrl-C: marked interrupted, resumable
         return _Run(config, backend if not isinstance(backend, (str, type(None))) else None).run()
 
@@ -208,9 +212,14 @@ class _Run:
     def run(self) -> RunResult:
         config = self.config
         progress = Progress(total=config.steps, initial=self.step, enabled=config.progress, description=self.run_id)
+        self.budget = RunBudget(config.max_cost_usd, config.max_compute_seconds, self.usage, step=self.step)
         try:
             checkpoint_s = 0.0  # a checkpoint's time is reported with the next step's record
             while self.step < config.steps:
+                if reason := self.budget.stop_reason(self.run_id, self.step, config.steps):  # before the step's work
+                    with uninterrupted():
+                        self.checkpoints.finish()  # the checkpoint of the step it stops at is committed first
+                    raise stopped(reason, self.run_id, self.coordinator.state.last_checkpoint_step)
                 held_out = self._held_out_eval() if config.eval_every and self.step % config.eval_every == 0 else {}
                 record, policy_versions = self._train_step()
                 record.update(held_out)
@@ -225,8 +234,8 @@ class _Run:
                 self.step += 1
                 if self.pipeline is not None:
                     self._advance_pipeline()
-                started = time.perf_counter()
-                if self.step % config.checkpoint_every == 0 or self.step == config.steps:
+                started, stopping = time.perf_counter(), self.budget.step_done(self.run_id, self.step, config.steps)
+                if self.step % config.checkpoint_every == 0 or self.step == config.steps or stopping:
                     with uninterrupted(), self.usage.phase("storage"):  # save_state runs on the functions
                         readers = self.pipeline.versions_needed(self.step) if self.pipeline is not None else []
                         self.checkpoints.save(self.step, self.cursor, self.clients, policy_versions, self.run_id,
@@ -267,7 +276,7 @@ class _Run:
         result = RunResult(
             self.run_id, self.run_dir, records, self.coordinator.state.last_checkpoint_step, Path(plot), self.events, usage
         )
-        self._say(_final_report(result))
+        self._say(final_report(result))
         return result
 
     def _stop(self, exc: BaseException) -> None:
@@ -275,7 +284,7 @@ class _Run:
         self.heartbeat.stop()
         if getattr(self, "pipeline", None) is not None:
             self.pipeline.close(wait=False)  # rollouts running ahead are dropped: a resume plays them again
-        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        status = "interrupted" if isinstance(exc, (KeyboardInterrupt, BudgetExceeded)) else "failed"
         try:
             with uninterrupted():  # a checkpoint being written still commits: a resume starts from it
                 self.checkpoints.finish()
@@ -434,16 +443,6 @@ class _Run:
 
     def _say(self, message: str) -> None:
         print(message, flush=True)
-
-
-def _final_report(result: RunResult) -> str:
-    return (
-        f"run {result.run_id} finished: {describe_rewards(reward_summary(result.metrics))}\n"
-        f"  metrics: {result.run_dir / 'metrics.jsonl'}\n  plot:    {result.plot_path}\n"
-        f"  episodes: {result.run_dir / TRANSCRIPTS_FILE}\n"
-        f"  checkpoint: step-{result.last_checkpoint_step} (resume with --resume --run-id {result.run_id})"
-        + (f"\n  compute: {format_usage(result.usage)}" if result.usage else "")
-    )
 
 
 __all__ = ["RunResult", "train"]

@@ -229,7 +229,7 @@ class ServeBackend:
             return [SampledChoice(g.tokens, g.logprobs, t, g.stop_reason == "stop") for g, t in zip(generations, top)]
 
         try:
-            return self.scheduler.submit(run, tenant=caller)
+            return self.scheduler.submit(run, tenant=caller, charge="openai")
         except QueueFull as full:
             raise ServerBusy(str(full), hint=f"retry after {full.retry_after:.0f}s") from None
 

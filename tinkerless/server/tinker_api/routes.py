@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from tinkerless.errors import TinkerlessError
+from tinkerless.errors import BudgetExceeded, TinkerlessError
 from tinkerless.wire.http import RequestTooLarge, read_body
 from tinkerless.server.replies import Redactor
 from tinkerless.server.scheduler import QueueFull
@@ -79,6 +79,10 @@ def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats
         except QueueFull as full:
             return JSONResponse({"error": str(full), "category": "server"}, status_code=429,
                                 headers={"Retry-After": str(int(round(full.retry_after)))})
+        except BudgetExceeded as exc:  # the key's budget: refused before any work; the SDK is told not to retry
+            response = _error(402, exc.message, "user", exc.hint)
+            response.headers["x-should-retry"] = "false"
+            return response
         except (KeyError, TypeError, ValueError, OverflowError) as exc:  # a field missing or of the wrong kind
             return _error(400, f"malformed request: {type(exc).__name__}: {str(exc)[:300]}")
         except TinkerlessError as exc:

@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable
 
-from tinkerless.errors import UserError
+from tinkerless.errors import BudgetExceeded, UserError
 from tinkerless.server.limits import ServingLimits
 from tinkerless.server.scheduler import Scheduler
 from tinkerless.server.tinker_api.checkpoints import CheckpointRegistry, TinkerPath, now_iso
@@ -87,7 +87,12 @@ class TinkerService(TrainingCalls, SamplingCalls):
     def submit(
         self, tenant: str, fn: Callable[[], Any], *, stream: str | None = None, seq: int | None = None, **extra
     ) -> dict:
-        future = self.scheduler.submit(fn, tenant=tenant, stream=stream, seq=seq)
+        try:
+            future = self.scheduler.submit(fn, tenant=tenant, stream=stream, seq=seq, charge="tinker")
+        except BudgetExceeded:  # refused before its work: a later call of the stream must not wait for its number
+            if stream is not None and isinstance(seq, int):
+                self.scheduler.skip(tenant, stream, seq)
+            raise
         request_id = f"req-{next(self._ids)}-{secrets.token_hex(6)}"
         with self._lock:
             self._expire_futures()
