@@ -282,17 +282,23 @@ def endpoint_app(backend: Any):
     """The worker's OpenAI-compatible app: the serve router over `backend`; the bearer token names the caller."""
     from fastapi import FastAPI
 
+    from tinkerless.functions.apis import api_routers
     from tinkerless.functions.openai_api.router import openai_router
 
     app = FastAPI()
     app.include_router(openai_router(backend, caller=bearer_token))
+    for more in api_routers(backend, caller=bearer_token):  # Anthropic Messages, OpenAI Responses
+        app.include_router(more)
     return app
 
 
 def bearer_token(request: Any) -> str | None:
-    """The API key of a request (an episode id here); None without one (the router answers 401)."""
+    """The API key of a request (an episode id here): the bearer token (OpenAI's clients), else the x-api-key
+    header (Anthropic's); None without one (the router answers 401)."""
     header = request.headers.get("authorization", "")
-    return (header[7:].strip() or None) if header[:7].lower() == "bearer " else None
+    if header[:7].lower() == "bearer ":
+        return header[7:].strip() or None
+    return request.headers.get("x-api-key") or None
 
 
 async def _play(agent: Callable, copies: list[_Copy], backend: PolicyBackend, timeout: float, transport: str) -> None:

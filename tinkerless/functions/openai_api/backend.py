@@ -29,6 +29,7 @@ class TokenSampling:
     stop_token_ids: list[int]  # the template's end-of-turn / EOS ids: a drawn one ends the choice (and is kept)
     seed: int | None
     top_logprobs: int  # 0 = none; else the k most likely tokens at each sampled position
+    top_k: int = 0  # 0 = off; else draw among the k most likely tokens only (Anthropic's top_k)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,8 @@ SSE `error` event of the same body.
 from __future__ import annotations
 
 import asyncio
-import inspect
-import json
 import logging
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,21 +24,18 @@ from pydantic import ValidationError
 
 from tinkerless.errors import ModelNotFoundError, ServerBusy, TinkerlessError
 from tinkerless.functions.sampling.token_stream import Cancellation
-from tinkerless.wire.http import RequestTooLarge, read_body
-from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError, TokenSampling
+from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError
+from tinkerless.functions.openai_api.calls import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, ModelCalls, unless_disconnected
 from tinkerless.functions.openai_api.output import finish
 from tinkerless.functions.openai_api.render import chat_format, check_tools, render_chat
 from tinkerless.functions.openai_api.replies import ChatReply, CompletionReply
 from tinkerless.functions.openai_api.schemas import ChatCompletionRequest, CompletionRequest, FieldError
 from tinkerless.functions.openai_api.streaming import ChoiceText, chat_chunks, completion_chunks, open_streams, sse_response
-from tinkerless.wire.messages import GREEDY_BELOW
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
-DEFAULT_MAX_TOKENS = 1024  # a chat completion without max_tokens (capped by the context and the backend)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (capped the same way)
-MAX_BODY_BYTES = 16 * 1024 * 1024
+__all__ = ["DEFAULT_MAX_TOKENS", "error_body", "error_response", "openai_router"]
 
 
 def error_body(exc: BaseException) -> tuple[int, dict]:
@@ -92,63 +87,19 @@ def openai_router(
     """The routes over `backend`. `caller(request)` names who is calling (a tenant, an episode);
     None means the request carries no valid API key (401)."""
     router = APIRouter()
-    # Backends written against the protocol before `cancel` existed still work: they are just not cancelled.
-    cancellable = "cancel" in inspect.signature(backend.sample).parameters
-
-    def sample_call(who: str, model: str, request: TokenSampling, cancel: Cancellation):
-        return backend.sample(who, model, request, cancel=cancel) if cancellable else backend.sample(who, model, request)
-
-    async def who_and_body(request: Request, schema) -> tuple[str, Any]:
-        who = caller(request)
-        if who is None:
-            raise OpenAIError("missing or invalid API key", status=401, code="invalid_api_key",
-                              hint="pass api_key= to the OpenAI client (Authorization: Bearer <key>)")
-        try:
-            raw = await read_body(request, max_body_bytes)
-        except RequestTooLarge as exc:
-            raise OpenAIError(f"request body of {exc.size} bytes is over this server's limit of {exc.limit}",
-                              status=413, code="request_too_large") from None
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise OpenAIError(f"the request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
-        except RecursionError:
-            raise OpenAIError("the request body is nested too deeply", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise OpenAIError("the request body must be a JSON object", code="invalid_json")
-        return who, schema.model_validate(data)
-
-    def refuse_long_text(characters: int, param: str) -> None:
-        """Refuse a prompt that cannot fit, on its length in characters, before spending CPU on tokenizing it:
-        no token of the vocabulary spells more than `max_token_chars` characters (`prompt_char_limit`)."""
-        limit = getattr(backend, "prompt_char_limit", None)
-        if limit is not None and characters > limit:
-            raise OpenAIError(
-                f"the prompt is {characters} characters long, more than the {backend.max_prompt_tokens} tokens this "
-                f"server takes could hold", param=param, code="context_length_exceeded",
-                hint="shorten the prompt")
-
-    def context_cap(prompt_length: int) -> int:
-        """max_tokens when the request gives none: the backend's default, within what the context leaves."""
-        default = getattr(backend, "default_max_tokens", DEFAULT_MAX_TOKENS)
-        context = getattr(backend, "context_length", None)
-        return default if context is None else max(1, min(default, context - prompt_length))
+    calls = ModelCalls(backend, caller, max_body_bytes,
+                       key_hint="pass api_key= to the OpenAI client (Authorization: Bearer <key>)")
+    refuse_long_text, context_cap = calls.refuse_long_text, calls.context_cap
 
     def sampling(body, prompt_ids: list[int], max_tokens: int | None, top_logprobs: int, stop_ids: list[int]):
-        return TokenSampling(
-            prompt_ids=prompt_ids, n=body.n,
-            max_tokens=max_tokens if max_tokens is not None else context_cap(len(prompt_ids)),
-            temperature=_temperature(body.temperature),
-            top_p=1.0 if body.top_p is None else float(body.top_p),
-            stop_strings=body.stop_strings, stop_token_ids=stop_ids, seed=body.seed, top_logprobs=top_logprobs,
-        )
+        return calls.sampling(prompt_ids, stop_ids, max_tokens=max_tokens, temperature=body.temperature,
+                              top_p=body.top_p, stop_strings=body.stop_strings, n=body.n, seed=body.seed,
+                              top_logprobs=top_logprobs)
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> Response:
         try:
-            who = caller(request)
-            if who is None:
-                raise OpenAIError("missing or invalid API key", status=401, code="invalid_api_key")
+            who = calls.who(request)
             names = await asyncio.to_thread(backend.models, who)
         except Exception as exc:  # noqa: BLE001 - every failure answers an OpenAI error body
             return error_response(exc)
@@ -157,9 +108,7 @@ def openai_router(
     @router.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> Response:
         try:
-            who = caller(request)
-            if who is None:
-                raise OpenAIError("missing or invalid API key", status=401, code="invalid_api_key")
+            who = calls.who(request)
             names = await asyncio.to_thread(backend.models, who)
             if model not in names:
                 # Every name the POST routes accept resolves here too (aliases of the base model, checkpoints).
@@ -176,7 +125,7 @@ def openai_router(
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
-            who, body = await who_and_body(request, ChatCompletionRequest)
+            who, body = await calls.who_and_body(request, ChatCompletionRequest)
             refuse_long_text(_characters(body.messages), "messages")
             tokenizer = backend.tokenizer()
             tools = check_tools(body.tools) if body.tool_choice != "none" else []
@@ -190,10 +139,7 @@ def openai_router(
                 texts = [ChoiceText(tokenizer, request_sampling.stop_strings, stop_ids, top_logprobs=bool(top),
                                     hold_tool_calls=bool(tools)) for _ in range(body.n)]
                 return sse_response(request, chat_chunks(reply, streams, texts), streams, error_body)
-            cancel = Cancellation()
-            choices = await _unless_disconnected(request, sample_call(who, body.model, request_sampling, cancel),
-                                                 [cancel])
-            finished = [finish(tokenizer, c, request_sampling.stop_strings, stop_ids) for c in choices]
+            finished = await calls.finished(request, who, body.model, request_sampling)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return JSONResponse(reply.full(finished))
@@ -201,7 +147,7 @@ def openai_router(
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
-            who, body = await who_and_body(request, CompletionRequest)
+            who, body = await calls.who_and_body(request, CompletionRequest)
             for prompt in body.prompts():
                 refuse_long_text(len(prompt) if isinstance(prompt, str) else 0, "prompt")
             tokenizer = backend.tokenizer()
@@ -226,8 +172,8 @@ def openai_router(
                 return sse_response(request, completion_chunks(reply, streams, texts), streams, error_body)
             # Every prompt at once: the backend batches concurrent requests into one generation.
             cancels = [Cancellation() for _ in requests]
-            results = await _unless_disconnected(request, asyncio.gather(
-                *(sample_call(who, body.model, r, c) for r, c in zip(requests, cancels))), cancels)
+            results = await unless_disconnected(request, asyncio.gather(
+                *(calls.sample_call(who, body.model, r, c) for r, c in zip(requests, cancels))), cancels)
             finished = [finish(tokenizer, c, r.stop_strings, stop_ids) for r, choices in zip(requests, results)
                         for c in choices]
         except Exception as exc:  # noqa: BLE001
@@ -235,32 +181,6 @@ def openai_router(
         return JSONResponse(reply.full(finished))
 
     return router
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T], cancels: list[Cancellation]) -> T:
-    """Await `work`, cancelling its jobs if the client hangs up first: a non-streamed request whose client timed
-    out (and whose `openai` client retries it) must not keep generating for nobody. The jobs end at their next
-    decode step, or never start if still queued; `work` then returns what they have, which nobody reads."""
-
-    async def watch() -> None:  # the body has been read: the next message is the disconnect
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        for cancel in cancels:
-            cancel.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        return await work
-    finally:
-        watcher.cancel()
-
-
-def _temperature(value: float | None) -> float:
-    """OpenAI's default is 1. Below GREEDY_BELOW, sampling is greedy (the engines' rule for every API: dividing
-    logits by a temperature near zero overflows them to inf, and the draw there is the argmax anyway)."""
-    if value is None:
-        return 1.0
-    return 0.0 if value < GREEDY_BELOW else float(value)
 
 
 def _encode(tokenizer, text: str) -> list[int]:

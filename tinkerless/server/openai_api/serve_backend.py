@@ -183,7 +183,7 @@ class ServeBackend:
         kind, target = await asyncio.to_thread(self._resolve, caller, model)
         seed = secrets.randbelow(2**31) if request.seed is None else request.seed % (1 << 63)
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
-                                  top_p=request.top_p, top_k=0, stop_token_ids=list(request.stop_token_ids))
+                                  top_p=request.top_p, top_k=request.top_k, stop_token_ids=list(request.stop_token_ids))
         files = None
         if kind == "adapter" and not self.adapters.cached(target):  # read off the scheduler thread
             files = await asyncio.to_thread(self.names.load_files, target)
