@@ -16,10 +16,7 @@ from tinkerless.functions.openai_api.calls import MAX_BODY_BYTES
 def api_routers(backend, *, caller: Callable[[Request], str | None], max_body_bytes: int = MAX_BODY_BYTES) -> list[APIRouter]:
     """Anthropic Messages (`/v1/messages`) and OpenAI Responses (`/v1/responses`) over `backend`."""
     from tinkerless.functions.anthropic_api import messages_router
+    from tinkerless.functions.responses_api import responses_router
 
-    routers = [messages_router(backend, caller=caller, max_body_bytes=max_body_bytes)]
-    try:
-        from tinkerless.functions.responses_api import responses_router
-    except ImportError:  # not written yet
-        return routers
-    return [*routers, responses_router(backend, caller=caller, max_body_bytes=max_body_bytes)]
+    return [messages_router(backend, caller=caller, max_body_bytes=max_body_bytes),
+            responses_router(backend, caller=caller, max_body_bytes=max_body_bytes)]
