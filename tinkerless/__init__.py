@@ -10,6 +10,7 @@
 Public API:
 - `env`, `reward`: decorators for user environments and reward functions;
 - `agent`, `AgentResult`: an async OpenAI-client agent function, trained as it is (docs/agents.md);
+  `anthropic_client(client)`: an Anthropic client on the same episode (docs/anthropic-messages.md);
 - `StepResult`: what an env's `step()` returns;
 - `train`, `TrainConfig`, `RunResult`: run RL end to end;
 - `sft`, `SFTConfig`: supervised fine-tuning on chat data (docs/sft.md);
@@ -50,6 +51,7 @@ _LAZY = {
     "SamplingParams": "tinkerless.wire.messages",
     "LoraConfig": "tinkerless.wire.messages",
     "Datum": "tinkerless.wire.messages",
+    "anthropic_client": "tinkerless.functions.hosting.clients",
     "Frozen": "tinkerless.sdk.run.agents",
     "self_play": "tinkerless.sdk.run.agents",
     "versus": "tinkerless.sdk.run.agents",

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tinkerless.functions.sampling.engine import Engine, row_seed
-from tinkerless.functions.rollout.recording import EpisodeRecorder, Sequence
+from tinkerless.functions.rollout.recording import EpisodeRecorder, Sequence, TokenProofError, prove_tokens
 from tinkerless.functions.hosting.agent_host import play_copy
 from tinkerless.functions.openai_api.backend import OpenAIError, SampledChoice, TokenSampling
 from tinkerless.wire.messages import Episode, EpisodeLimits, SamplingParams
@@ -305,6 +305,8 @@ async def _play(agent: Callable, copies: list[_Copy], backend: PolicyBackend, ti
     import httpx
     import openai
 
+    from tinkerless.functions.hosting.clients import register
+
     app = endpoint_app(backend)
     server = None
     if transport == "http":
@@ -314,6 +316,7 @@ async def _play(agent: Callable, copies: list[_Copy], backend: PolicyBackend, ti
     try:
         async def play(run: _Copy) -> None:
             client = openai.AsyncOpenAI(api_key=run.episode_id, base_url=base_url, http_client=http_client, max_retries=0)
+            register(client, http_client)  # tinkerless.anthropic_client(client) sends through it too
             try:
                 run.settle(await play_copy(agent, client, run.task, timeout))
             finally:
@@ -347,7 +350,9 @@ def _episode(run: _Copy, tokenizer: Any) -> Episode:
     first = sequences[0] if sequences else Sequence()
     ok = run.error is None
     calls = run.recorder.calls
-    return Episode(
+    info = {"agent_metrics": run.metrics} if run.metrics else {}
+    info.update(sequences=len(sequences), render_drift_turns=run.recorder.drift_turns)
+    episode = Episode(
         task_index=run.task_index,
         tokens=np.asarray(first.tokens, dtype=np.int32),
         mask=np.asarray(first.mask, dtype=np.float32),
@@ -360,9 +365,24 @@ def _episode(run: _Copy, tokenizer: Any) -> Episode:
         error=run.error,
         traceback=run.traceback,
         transcript=_transcript(run, tokenizer),
-        info={"agent_metrics": run.metrics, "sequences": len(sequences)} if run.metrics else {"sequences": len(sequences)},
+        info=info,
         extra_sequences=[s.as_wire() for s in sequences[1:]],
     )
+    return proven(episode, calls, [s.spans for s in sequences] or [[]])
+
+
+def proven(episode: Episode, calls: list, spans: list[list[tuple[int, int]]]) -> Episode:
+    """`episode` if the arrays it ships prove its tokens (`recording.prove_tokens`); else the same episode refused:
+    an error episode (never trained) that says why."""
+    arrays = [(episode.tokens, episode.mask, episode.sampler_logprobs),
+              *[(s.tokens, s.mask, s.sampler_logprobs) for s in episode.extra_sequences]]
+    try:
+        prove_tokens(calls, arrays, spans)
+    except TokenProofError as exc:
+        episode.status, episode.reward, episode.turn_rewards = "error", math.nan, []
+        episode.error = f"the episode's token proof failed, so it is not trained: {exc}"
+        episode.info["token_proof_failed"] = True
+    return episode
 
 
 def _transcript(run: _Copy, tokenizer: Any) -> list[dict]:
