@@ -59,8 +59,14 @@ def messages_router(backend: CompletionBackend, *, caller: Callable[[Request], s
             calls.refuse_long_text(_characters(chat), "messages")
             tools = tools_for_choice(body.tool_choice, to_tools(body.tools))
             prompt_ids, stop_ids = await calls.render(chat, tools)
+            constrained, schema = body.json_schema
+            grammar = None
+            if constrained:  # structured outputs: the reply follows the schema (docs/structured-outputs.md)
+                grammar = await calls.grammar(schema, stop_ids, "output_config.format.schema")
+                tools = []
             sampling = calls.sampling(prompt_ids, stop_ids, max_tokens=body.max_tokens, temperature=body.temperature,
-                                      top_p=body.top_p, top_k=body.top_k, stop_strings=body.stop_sequences or [])
+                                      top_p=body.top_p, top_k=body.top_k, stop_strings=body.stop_sequences or [],
+                                      grammar=grammar)
             reply = MessageReply(body.model, len(prompt_ids))
             tokenizer = backend.tokenizer()
 

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from tinkerless.functions.openai_api.schemas import MAX_STOP_STRINGS, FieldError, _Body
+from tinkerless.functions.openai_api.schemas import MAX_STOP_STRINGS, FieldError, _Body, format_schema
 
 
 class MessagesRequest(_Body):
@@ -39,10 +39,16 @@ class MessagesRequest(_Body):
         if self.thinking is not None and self.thinking.get("type") not in ("disabled", None):
             raise FieldError("extended thinking is not supported by this server; leave `thinking` out", "thinking",
                              "unsupported_parameter")
-        if self.output_config and self.output_config.get("format") is not None:
-            raise FieldError("output_config.format (structured outputs) is not supported by this server yet",
-                             "output_config", "unsupported_parameter")
+        self.json_schema  # a malformed output_config.format is refused here
         if self.mcp_servers:
             raise FieldError("mcp_servers is not supported by this server: run the MCP tools in the client",
                              "mcp_servers", "unsupported_parameter")
         return self
+
+    @property
+    def json_schema(self) -> tuple[bool, dict | None]:
+        """(constrained?, the schema) of `output_config.format` ({"type": "json_schema", "schema": {...}})."""
+        form = (self.output_config or {}).get("format")
+        if form is not None and not isinstance(form, dict):
+            raise FieldError("output_config.format must be an object", "output_config.format")
+        return format_schema(form, "output_config.format", nested=False)

@@ -79,7 +79,9 @@ class PolicyBackend:
         self.sampling, self.limits, self.copies, self.executor = sampling, limits, copies, executor
         self.calls = 0  # every call sampled in this rollout (a statistic)
         self.gather = _Gather(
-            lambda prompts, sampling, seeds: engine.generate(prompts, sampling, policy=policy, seed=seeds[0], row_seeds=seeds),
+            lambda prompts, sampling, seeds, constraints: engine.generate(
+                prompts, sampling, policy=policy, seed=seeds[0], row_seeds=seeds,
+                **({"constraints": constraints} if any(c is not None for c in constraints) else {})),
             executor, live=len(copies),
         )
 
@@ -115,7 +117,9 @@ class PolicyBackend:
                               hint="raise max_episode_tokens in the run's config, or send a shorter context")
         sampling = SamplingParams(max_tokens=max_tokens, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                   top_k=self.sampling.top_k, stop_token_ids=list(request.stop_token_ids))
-        generation = await self.gather.generate(prompt, sampling, seed=(run.seed * 1_000_003 + len(recorder.calls)) % (1 << 62))
+        constraint = request.grammar.constraint() if request.grammar is not None else None  # structured outputs
+        generation = await self.gather.generate(prompt, sampling, seed=(run.seed * 1_000_003 + len(recorder.calls)) % (1 << 62),
+                                                constraint=constraint)
         tokens, logprobs = cut_at_stop_strings(self._tokenizer, generation.tokens, generation.logprobs, request.stop_strings)
         stopped = generation.stop_reason == "stop" or len(tokens) < len(generation.tokens)
         recorder.record(prompt, tokens, logprobs, request.stop_token_ids, request.stop_strings)
@@ -137,17 +141,17 @@ class _Gather:
                  window: float = 0.02, most: float = 0.25):
         self.generate_many, self.executor, self.live = generate, executor, live
         self.window, self.most = window, most
-        self._pending: list[tuple[list[int], SamplingParams, int, asyncio.Future]] = []
+        self._pending: list[tuple[list[int], SamplingParams, int, asyncio.Future, Any]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._first = 0.0
         self.flushes = 0  # generate calls made (a statistic: calls / flushes is the gathered batch)
 
-    async def generate(self, prompt: list[int], sampling: SamplingParams, *, seed: int) -> Any:
+    async def generate(self, prompt: list[int], sampling: SamplingParams, *, seed: int, constraint: Any = None) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._pending:
             self._first = loop.time()
-        self._pending.append((prompt, sampling, seed, future))
+        self._pending.append((prompt, sampling, seed, future, constraint))
         self._schedule(loop)
         return await future
 
@@ -161,7 +165,7 @@ class _Gather:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        waiting = sum(not f.done() for *_, f in self._pending)
+        waiting = sum(not item[3].done() for item in self._pending)
         if waiting >= self.live:
             self._flush()
         else:
@@ -184,9 +188,10 @@ class _Gather:
             self.flushes += 1
             # Each call's row draws from its own seed, exactly as it would alone (row 0 of a call seeded with it):
             # which calls happen to be gathered together, and in what order, changes nothing they sample.
-            prompts, seeds = [p for p, *_ in items], [row_seed(seed, 0) for _, _, seed, _ in items]
-            job = loop.run_in_executor(self.executor, self.generate_many, prompts, items[0][1], seeds)
-            job.add_done_callback(lambda done, items=items: _deliver(done, [f for *_, f in items]))
+            prompts, seeds = [item[0] for item in items], [row_seed(item[2], 0) for item in items]
+            constraints = [item[4] for item in items]
+            job = loop.run_in_executor(self.executor, self.generate_many, prompts, items[0][1], seeds, constraints)
+            job.add_done_callback(lambda done, items=items: _deliver(done, [item[3] for item in items]))
 
 
 def _deliver(done: asyncio.Future, futures: list[asyncio.Future]) -> None:

@@ -88,15 +88,26 @@ class ModelCalls:
         prompt_ids = await asyncio.to_thread(render_chat, tokenizer, messages, tools or None)
         return prompt_ids, list(chat_format(tokenizer).eos_token_ids)
 
+    async def grammar(self, schema: dict | None, stop_ids: list[int], param: str):
+        """The compiled `Grammar` of a JSON schema (None: any JSON object) for constrained decoding, off the loop;
+        a schema the library cannot compile is the caller's 400, naming the construct and the field."""
+        from tinkerless.functions.sampling.constraints import Grammar, GrammarError
+
+        tokenizer = self.backend.tokenizer()
+        try:
+            return await asyncio.to_thread(Grammar, tokenizer, schema, stop_ids, len(tokenizer))
+        except GrammarError as exc:
+            raise OpenAIError(exc.message, param=param, code="unsupported_schema", hint=exc.hint) from None
+
     def sampling(self, prompt_ids: list[int], stop_ids: list[int], *, max_tokens: int | None, temperature: float | None,
                  top_p: float | None, stop_strings: list[str], n: int = 1, seed: int | None = None,
-                 top_logprobs: int = 0, top_k: int | None = None) -> TokenSampling:
+                 top_logprobs: int = 0, top_k: int | None = None, grammar=None) -> TokenSampling:
         return TokenSampling(
             prompt_ids=prompt_ids, n=n,
             max_tokens=max_tokens if max_tokens is not None else self.context_cap(len(prompt_ids)),
             temperature=temperature_of(temperature), top_p=1.0 if top_p is None else float(top_p),
             stop_strings=stop_strings, stop_token_ids=stop_ids, seed=seed, top_logprobs=top_logprobs,
-            top_k=top_k or 0,
+            top_k=top_k or 0, grammar=grammar,
         )
 
     def sample_call(self, who: str, model: str, request: TokenSampling, cancel: Cancellation):

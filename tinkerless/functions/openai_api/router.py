@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any, Callable
 
 from fastapi import APIRouter, Request
@@ -133,6 +134,11 @@ def openai_router(
             stop_ids = list(chat_format(tokenizer).eos_token_ids)
             top = (body.top_logprobs or 0) if body.logprobs else 0
             request_sampling = sampling(body, prompt_ids, body.token_limit, top, stop_ids)
+            constrained, schema = body.json_schema
+            if constrained:  # structured outputs: every choice follows the schema (docs/structured-outputs.md)
+                request_sampling = replace(request_sampling, grammar=await calls.grammar(
+                    schema, stop_ids, "response_format.json_schema.schema" if schema else "response_format"))
+                tools = []  # the reply is the JSON document, not a tool call
             reply = ChatReply(body, tokenizer, len(prompt_ids), parse_tools=bool(tools))
             if body.stream:
                 streams = await open_streams(backend, who, body.model, [request_sampling])

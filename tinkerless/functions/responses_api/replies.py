@@ -67,7 +67,7 @@ class ResponseReply:
             "output": output, "parallel_tool_calls": True, "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": None, "summary": None}, "store": body.store is not False,
             "temperature": 1.0 if body.temperature is None else body.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
             "tools": [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
                        "parameters": t["function"]["parameters"], "strict": False} for t in self.tools],
             "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled", "usage": usage,

@@ -62,8 +62,13 @@ def responses_router(backend: CompletionBackend, *, caller: Callable[[Request], 
             calls.refuse_long_text(_characters(chat), "input")
             tools = tools_for_choice(body.tool_choice, to_tools(body.tools))
             prompt_ids, stop_ids = await calls.render(chat, tools)
+            constrained, schema = body.json_schema
+            grammar = None
+            if constrained:  # structured outputs: the reply follows the schema (docs/structured-outputs.md)
+                grammar = await calls.grammar(schema, stop_ids, "text.format.schema" if schema else "text.format")
+                tools = []  # the reply is the JSON document, not a function call
             sampling = calls.sampling(prompt_ids, stop_ids, max_tokens=body.max_output_tokens,
-                                      temperature=body.temperature, top_p=body.top_p, stop_strings=[])
+                                      temperature=body.temperature, top_p=body.top_p, stop_strings=[], grammar=grammar)
             reply = ResponseReply(body, len(prompt_ids), tools)
             tokenizer = backend.tokenizer()
 

@@ -1,6 +1,6 @@
 """The body of `POST /v1/responses`, validated at the boundary (pydantic, strict types, no NaN).
 
-Fields this server cannot honour are refused with a 400 naming them (structured `text.format`, reasoning effort,
+Fields this server cannot honour are refused with a 400 naming them (reasoning effort,
 background mode, stored conversations, logprobs); fields that change nothing about sampling (`metadata`, `user`,
 `include`, `parallel_tool_calls`, `truncation`, `service_tier`, `prompt_cache_key`...) are accepted and ignored.
 """
@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from tinkerless.functions.openai_api.schemas import FieldError, _Body
+from tinkerless.functions.openai_api.schemas import FieldError, _Body, format_schema
 
 
 class ResponsesRequest(_Body):
@@ -39,9 +39,9 @@ class ResponsesRequest(_Body):
         if isinstance(self.input, str) and not self.input:
             raise FieldError("input is an empty string", "input")
         form = (self.text or {}).get("format")
-        if form is not None and (not isinstance(form, dict) or form.get("type") != "text"):
-            raise FieldError("text.format other than {'type': 'text'} (structured outputs) is not supported by this "
-                             "server yet", "text.format", "unsupported_parameter")
+        if form is not None and not isinstance(form, dict):
+            raise FieldError("text.format must be an object", "text.format")
+        self.json_schema  # a malformed text.format is refused here
         if self.reasoning and self.reasoning.get("effort") not in (None, "none"):
             raise FieldError("reasoning effort is not supported by this server: its models do not reason apart from "
                              "their reply; leave `reasoning` out", "reasoning.effort", "unsupported_parameter")
@@ -54,3 +54,8 @@ class ResponsesRequest(_Body):
             raise FieldError("top_logprobs is not supported on /v1/responses; use /v1/chat/completions",
                              "top_logprobs", "unsupported_parameter")
         return self
+
+    @property
+    def json_schema(self) -> tuple[bool, dict | None]:
+        """(constrained?, the schema: None for any JSON object) of `text.format`."""
+        return format_schema((self.text or {}).get("format"), "text.format", nested=False)

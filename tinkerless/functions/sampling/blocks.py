@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from tinkerless.functions.sampling.constraints import mask_logits
 from tinkerless.functions.sampling.graphed_decode import PooledCache
 from tinkerless.functions.sampling.kv_cache import growing_cache, stack_left_padded
 
@@ -69,7 +70,9 @@ def _draw_block(members: list[_Member], logits: torch.Tensor) -> tuple[list[int]
     """Each row's token and its log-prob, in row order. Members that draw alike (`GenerationJob.draw_key`: the
     same temperature and no top-k/top-p, or greedy) are drawn together, in one softmax/cumsum/searchsorted over
     all their rows rather than one per member: every row still takes its uniform from its own generator, so it
-    draws exactly what it would alone. Rows go to Python lists once per block."""
+    draws exactly what it would alone. Rows go to Python lists once per block. A constrained row's disallowed
+    tokens are masked first (`constraints.mask_logits`), in the same batch."""
+    logits = mask_logits(logits, [c for member in members for c in member.job.row_constraints()])
     groups: dict[object, list[int]] = {}  # draw key -> indices of its members
     for i, member in enumerate(members):
         key = member.job.draw_key

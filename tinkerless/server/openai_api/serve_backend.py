@@ -189,6 +189,9 @@ class ServeBackend:
             files = await asyncio.to_thread(self.names.load_files, target)
         engine = self.worker.engine
         streams = hasattr(engine, "batcher")  # the transformers engine: tokens (and top logprobs) as drawn
+        if request.grammar is not None and not streams:
+            raise OpenAIError("structured outputs need the transformers engine (its sampler applies the token "
+                              "masks); this server runs another", param="response_format", code="unsupported_parameter")
 
         def run() -> list[SampledChoice]:
             if stream is not None and stream.cancelled:  # its client hung up while it was queued
@@ -200,8 +203,10 @@ class ServeBackend:
                     raise unknown_model(model, [])
                 prompts = [list(request.prompt_ids)] * request.n
                 if streams:
+                    constraints = None if request.grammar is None else \
+                        [request.grammar.constraint() for _ in range(request.n)]
                     generations = engine.generate(prompts, sampling, policy=slot, seed=seed, stream=stream,
-                                                  top_logprobs=request.top_logprobs)
+                                                  top_logprobs=request.top_logprobs, constraints=constraints)
                     top = [g.top_logprobs for g in generations]
                 else:
                     generations = engine.generate(prompts, sampling, policy=slot, seed=seed)
