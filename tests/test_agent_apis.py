@@ -221,3 +221,29 @@ def test_render_drift_is_a_step_metric(tiny_model, tmp_path):
 
     assert agent_result_metrics([episode(2), episode(0), episode(1, "error")])["render_drift_turns"] == 3.0
     assert "render_drift_turns" not in agent_result_metrics([])
+
+
+PET = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
+       "required": ["kind", "ok"], "additionalProperties": False}
+
+
+@tinkerless.agent
+async def structured(client, task):
+    import json
+
+    reply = await client.responses.create(model="policy", input="A pet?", text={
+        "format": {"type": "json_schema", "name": "pet", "schema": PET}})
+    pet = json.loads(reply.output_text)  # always parses: constrained decoding
+    return 1.0 if pet["kind"] == "cat" else 0.0
+
+
+def test_structured_outputs_in_a_rollout_record_the_masked_log_probs(worker):
+    episodes = run_agent_episodes(
+        worker.engine, worker.tokenizer, agent=structured, policy=BASE_POLICY, tasks=[{}], group_size=4,
+        sampling=SamplingParams(max_tokens=64, temperature=1.0), limits=EpisodeLimits(4, 4096), seed=11,
+        timeout=60.0)
+    assert [e.status for e in episodes] == ["ok"] * 4, [e.error for e in episodes]
+    for episode in episodes:
+        ((tokens, logprobs),) = _sampled_runs(episode)
+        assert worker.tokenizer.decode(tokens[:1]) == "{" and logprobs[0] == 0.0  # forced: drawn with probability 1
+        assert all(lp <= 0.0 for lp in logprobs)
