@@ -123,7 +123,9 @@ def test_errors_are_anthropics_shape_with_the_right_class(server):
     cases = [
         ({"extra_body": {"temperature": 1.5}}, "temperature"),
         ({"extra_body": {"top_k": -1}}, "top_k"),
-        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config"),
+        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object", "if": {}}}}},
+         "output_config.format.schema"),
+        ({"output_config": {"format": {"type": "yaml"}}}, "output_config.format"),
         ({"max_tokens": LONG + 1}, "max_tokens"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type":
                                                                                   "image/png", "data": "AA=="}}]}]},

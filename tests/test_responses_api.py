@@ -137,7 +137,9 @@ def test_errors_are_openais_shape(server):
     cases = [
         ({"temperature": 3.0}, "temperature"),
         ({"max_output_tokens": LONG + 1}, "max_tokens"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "if": {}}}}},
+         "text.format.schema"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
          "input[0].content[0]"),
