@@ -3,8 +3,8 @@
 One `tinkerless serve` app on loopback HTTP; the same conversation sent to the three routes, greedy, so each
 draws exactly the same tokens (checked: the completion token counts must agree, or the run stops). Requests are
 interleaved round-robin (chat, messages, responses, chat, ...) so load on a shared machine hits all three alike;
-each figure is the median wall time of a route's requests ÷ the chat route's, non-streamed (one JSON reply) and
-streamed (the whole SSE body read). A plain httpx client sends all three, so no SDK's parsing is measured.
+each ratio is the median over rounds of a route's request time ÷ the chat request's of the same round,
+non-streamed (one JSON reply) and streamed (the whole SSE body read). A plain httpx client sends all three, so no SDK's parsing is measured.
 
     PYTHONPATH=$PWD python bench/api_overhead.py                       # SmolLM2-135M-Instruct
     PYTHONPATH=$PWD python bench/api_overhead.py --model tiny --rounds 5   # the tiny random model (a smoke run)
@@ -70,7 +70,7 @@ def main() -> None:
     worker = Worker(path)
     app = create_app(worker, storage=tempfile.mkdtemp(prefix="bench-apis-"))
     model = app.state.openai.base_model
-    print(f"model {args.model}, {args.rounds} rounds, routes interleaved; median wall ms and ratio to chat")
+    print(f"model {args.model}, {args.rounds} rounds, routes interleaved; median wall ms and (median paired ratio to chat)")
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=600) as http:
         for max_tokens in args.max_tokens:
             for stream in (False, True):
@@ -89,9 +89,11 @@ def main() -> None:
                         counts[path].add(drawn(path, response, stream))
                 if len({c for cs in counts.values() for c in cs}) != 1:
                     raise SystemExit(f"the routes drew different numbers of tokens: {counts}")
-                chat = statistics.median(times["/v1/chat/completions"])
-                cells = [f"{p.rsplit('/', 1)[-1]} {statistics.median(t) * 1e3:.1f} ms ({statistics.median(t) / chat:.3f}x)"
-                         for p, t in times.items()]
+                chat = times["/v1/chat/completions"]
+                # Each round's time ÷ the chat request's of the same round (the load a shared machine puts on a
+                # round hits the three alike), then the median of those paired ratios.
+                cells = [f"{p.rsplit('/', 1)[-1]} {statistics.median(t) * 1e3:.1f} ms "
+                         f"({statistics.median(a / b for a, b in zip(t, chat)):.3f}x)" for p, t in times.items()]
                 tokens = next(iter(counts["/v1/chat/completions"]))
                 print(f"max_tokens={max_tokens} ({tokens} drawn) {'streamed' if stream else 'plain   '}: " + ", ".join(cells))
 

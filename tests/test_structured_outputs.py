@@ -153,3 +153,36 @@ def test_an_agents_sdk_output_type_always_parses(server):
         return [(await Runner.run(agent, f"Pet number {i}?")).final_output for i in range(3)]
 
     assert all(isinstance(pet, Pet) for pet in asyncio.run(run()))
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "description": "The time.", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"], "additionalProperties": False}}}
+
+
+def test_a_required_or_named_tool_call_is_enforced_on_every_api(server):
+    url, app, _ = server
+    client = openai_client(url, KEY)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for choice, allowed in (("required", {"weather", "clock"}),
+                            ({"type": "function", "function": {"name": "clock"}}, {"clock"})):
+        reply = client.chat.completions.create(model=base(app), messages=ASK, max_tokens=120, n=3, seed=1,
+                                               tools=[WEATHER, CLOCK], tool_choice=choice)
+        for c in reply.choices:
+            assert c.finish_reason == "tool_calls", c.message.content
+            (call,) = c.message.tool_calls
+            assert call.function.name in allowed
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    tools = [{"type": "function", "strict": True, **t["function"]} for t in (WEATHER, CLOCK)]
+    response = client.responses.create(model=base(app), input="Weather?", tools=tools, tool_choice="required",
+                                       max_output_tokens=120)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    message = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0).messages.create(
+        model=base(app), max_tokens=120, messages=ASK, tool_choice={"type": "tool", "name": "weather"},
+        tools=[{"name": t["function"]["name"], "description": t["function"]["description"],
+                "input_schema": t["function"]["parameters"]} for t in (WEATHER, CLOCK)])
+    assert message.stop_reason == "tool_use" and message.content[-1].name == "weather"
+    jsonschema.validate(message.content[-1].input, schemas["weather"])

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from tinkerless.functions.anthropic_api.convert import to_chat, to_tools, tools_for_choice
 from tinkerless.functions.anthropic_api.replies import MessageReply
 from tinkerless.functions.anthropic_api.schemas import MessagesRequest
-from tinkerless.functions.openai_api.backend import CompletionBackend
+from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError
 from tinkerless.functions.openai_api.calls import MAX_BODY_BYTES, ModelCalls
 from tinkerless.functions.openai_api.render import parse_tool_calls
 from tinkerless.functions.openai_api.router import _characters, error_body
@@ -61,9 +61,17 @@ def messages_router(backend: CompletionBackend, *, caller: Callable[[Request], s
             prompt_ids, stop_ids = await calls.render(chat, tools)
             constrained, schema = body.json_schema
             grammar = None
+            kind = (body.tool_choice or {}).get("type")
+            forced = None if not tools or kind not in ("any", "tool") else \
+                "" if kind == "any" else body.tool_choice.get("name")
+            if constrained and forced is not None:
+                raise OpenAIError("output_config.format and a required tool use cannot both constrain one reply",
+                                  param="tool_choice", hint="use tool_choice auto, or drop output_config.format")
             if constrained:  # structured outputs: the reply follows the schema (docs/structured-outputs.md)
                 grammar = await calls.grammar(schema, stop_ids, "output_config.format.schema")
                 tools = []
+            elif forced is not None:  # tool_choice "any" or a named tool: one tool_use, enforced
+                grammar = await calls.forced_call(tools, forced or None, stop_ids, "tools")
             sampling = calls.sampling(prompt_ids, stop_ids, max_tokens=body.max_tokens, temperature=body.temperature,
                                       top_p=body.top_p, top_k=body.top_k, stop_strings=body.stop_sequences or [],
                                       grammar=grammar)

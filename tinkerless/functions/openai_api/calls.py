@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+from functools import partial
 from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import Request
@@ -88,16 +89,23 @@ class ModelCalls:
         prompt_ids = await asyncio.to_thread(render_chat, tokenizer, messages, tools or None)
         return prompt_ids, list(chat_format(tokenizer).eos_token_ids)
 
-    async def grammar(self, schema: dict | None, stop_ids: list[int], param: str):
-        """The compiled `Grammar` of a JSON schema (None: any JSON object) for constrained decoding, off the loop;
-        a schema the library cannot compile is the caller's 400, naming the construct and the field."""
+    async def grammar(self, schema: dict | None, stop_ids: list[int], param: str, *, lark: str | None = None):
+        """The compiled `Grammar` of a JSON schema (None: any JSON object) or Lark grammar for constrained decoding,
+        off the loop; a schema the library cannot compile is the caller's 400, naming the construct and the field."""
         from tinkerless.functions.sampling.constraints import Grammar, GrammarError
 
         tokenizer = self.backend.tokenizer()
         try:
-            return await asyncio.to_thread(Grammar, tokenizer, schema, stop_ids, len(tokenizer))
+            return await asyncio.to_thread(partial(Grammar, lark=lark), tokenizer, schema, stop_ids, len(tokenizer))
         except GrammarError as exc:
             raise OpenAIError(exc.message, param=param, code="unsupported_schema", hint=exc.hint) from None
+
+    async def forced_call(self, tools: list[dict], name: str | None, stop_ids: list[int], param: str):
+        """The grammar of a reply that is one tool call (of the tool `name`, or of any of `tools`) whose arguments
+        follow the tool's parameters: tool_choice "required" / a named function, enforced (`render.tool_call_grammar`)."""
+        from tinkerless.functions.openai_api.render import tool_call_grammar
+
+        return await self.grammar(None, stop_ids, param, lark=tool_call_grammar(tools, name))
 
     def sampling(self, prompt_ids: list[int], stop_ids: list[int], *, max_tokens: int | None, temperature: float | None,
                  top_p: float | None, stop_strings: list[str], n: int = 1, seed: int | None = None,

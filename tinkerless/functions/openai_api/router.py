@@ -135,10 +135,17 @@ def openai_router(
             top = (body.top_logprobs or 0) if body.logprobs else 0
             request_sampling = sampling(body, prompt_ids, body.token_limit, top, stop_ids)
             constrained, schema = body.json_schema
+            forced = forced_tool(body.tool_choice, tools)
+            if constrained and forced is not None:
+                raise OpenAIError("response_format and a required tool call cannot both constrain one reply",
+                                  param="tool_choice", hint="leave tool_choice at auto, or drop response_format")
             if constrained:  # structured outputs: every choice follows the schema (docs/structured-outputs.md)
                 request_sampling = replace(request_sampling, grammar=await calls.grammar(
                     schema, stop_ids, "response_format.json_schema.schema" if schema else "response_format"))
                 tools = []  # the reply is the JSON document, not a tool call
+            elif forced is not None:  # tool_choice "required" or a named function: one call, enforced
+                request_sampling = replace(request_sampling, grammar=await calls.forced_call(
+                    tools, forced or None, stop_ids, "tools"))
             reply = ChatReply(body, tokenizer, len(prompt_ids), parse_tools=bool(tools))
             if body.stream:
                 streams = await open_streams(backend, who, body.model, [request_sampling])
@@ -217,3 +224,17 @@ def _characters(messages: Any) -> int:
 
 def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "tinkerless"}
+
+
+def forced_tool(tool_choice: Any, tools: list[dict]) -> str | None:
+    """None when the reply may be anything; "" when it must be a call of any tool (tool_choice "required"); a
+    function's name when it must call that one (a name that is not in `tools` is a 400)."""
+    if not tools or tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice == "required":
+        return ""
+    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    if tool_choice.get("type") != "function" or not any(t["function"]["name"] == name for t in tools):
+        raise OpenAIError(f"tool_choice {str(tool_choice)[:120]} names no function of tools", param="tool_choice")
+    return name
+

@@ -64,9 +64,16 @@ def responses_router(backend: CompletionBackend, *, caller: Callable[[Request], 
             prompt_ids, stop_ids = await calls.render(chat, tools)
             constrained, schema = body.json_schema
             grammar = None
+            forced = None if not tools or body.tool_choice in (None, "auto", "none") else \
+                "" if body.tool_choice == "required" else body.tool_choice.get("name")
+            if constrained and forced is not None:
+                raise OpenAIError("text.format and a required function call cannot both constrain one reply",
+                                  param="tool_choice", hint="leave tool_choice at auto, or drop text.format")
             if constrained:  # structured outputs: the reply follows the schema (docs/structured-outputs.md)
                 grammar = await calls.grammar(schema, stop_ids, "text.format.schema" if schema else "text.format")
                 tools = []  # the reply is the JSON document, not a function call
+            elif forced is not None:  # tool_choice "required" or a named function: one call, enforced
+                grammar = await calls.forced_call(tools, forced or None, stop_ids, "tools")
             sampling = calls.sampling(prompt_ids, stop_ids, max_tokens=body.max_output_tokens,
                                       temperature=body.temperature, top_p=body.top_p, stop_strings=[], grammar=grammar)
             reply = ResponseReply(body, len(prompt_ids), tools)

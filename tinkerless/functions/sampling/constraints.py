@@ -50,13 +50,16 @@ def _ll_tokenizer(tokenizer: Any, stop_ids: tuple[int, ...], vocab_size: int) ->
 class Grammar:
     """A compiled JSON schema for one request: `constraint()` is a fresh matcher for one row."""
 
-    def __init__(self, tokenizer: Any, schema: dict | None, stop_ids: list[int], vocab_size: int):
+    def __init__(self, tokenizer: Any, schema: dict | None, stop_ids: list[int], vocab_size: int, *,
+                 lark: str | None = None):
+        """A JSON schema (None: any JSON object), or a Lark grammar (`lark`, which may embed `%json` schemas)."""
         import llguidance
 
         self.schema = schema if schema is not None else {"type": "object"}  # json_object: any JSON object
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(self.schema), defaults={"whitespace_flexible": False})
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark) if lark is not None else \
+                llguidance.LLMatcher.grammar_from_json_schema(json.dumps(self.schema),
+                                                              defaults={"whitespace_flexible": False})
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"the JSON schema cannot be compiled: {str(exc)[:300]}") from None
         self._tokenizer = _ll_tokenizer(tokenizer, tuple(stop_ids), vocab_size)
