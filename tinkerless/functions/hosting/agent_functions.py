@@ -250,6 +250,8 @@ def run_agent_episodes(
     transport: str = "asgi",
 ) -> list[Episode]:
     """Run `group_size` copies of `agent` per task against the policy; one episode per copy, in task order."""
+    if getattr(agent, "__tinkerless_loopback__", False):
+        transport = "http"  # an external agent (external_agents.py) reaches the endpoint from another process
     copies = make_copies(tokenizer, tasks, group_size, seed)
     with ThreadPoolExecutor(max_workers=max(1, min(len(copies), MAX_SAMPLING_THREADS)), thread_name_prefix="agent-sample") as executor:
         backend = PolicyBackend(engine, tokenizer, policy=policy, sampling=sampling, limits=limits,
@@ -294,6 +296,10 @@ def endpoint_app(backend: Any):
     app.include_router(openai_router(backend, caller=bearer_token))
     for more in api_routers(backend, caller=bearer_token):  # Anthropic Messages, OpenAI Responses
         app.include_router(more)
+    if hasattr(backend, "copies"):  # a rollout's endpoint: external agents post their rewards to it
+        from tinkerless.functions.hosting.external_agents import reward_router
+
+        app.include_router(reward_router(backend, bearer_token))
     return app
 
 

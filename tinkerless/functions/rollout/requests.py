@@ -84,6 +84,10 @@ def _agent_rollout(
                    limits=request.limits, seed=request.seed, timeout=request.agent_timeout)
     stats: dict = {}
     with rollout_clock() as clock:
+        if hosts is not None and getattr(agent, "__tinkerless_loopback__", False):
+            raise UserError("an external agent (tinkerless.external_agent) cannot run on a shared server: tenants' "
+                            "programs run sandboxed there, with no loopback to the worker",
+                            hint="train it with backend='local' or against `tinkerless serve --single-user`")
         if hosts is not None:  # a shared server: the copies run in the tenant's sandbox
             from tinkerless.functions.hosting.hosted_agents import run_hosted_agent_episodes
 
