@@ -117,6 +117,9 @@ class PolicyBackend:
                               hint="raise max_episode_tokens in the run's config, or send a shorter context")
         sampling = SamplingParams(max_tokens=max_tokens, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                   top_k=self.sampling.top_k, stop_token_ids=list(request.stop_token_ids))
+        if request.grammar is not None and not hasattr(self.engine, "batcher"):
+            raise OpenAIError("structured outputs and required tool calls need the transformers engine (its sampler "
+                              "applies the token masks); this rollout runs another", code="unsupported_parameter")
         constraint = request.grammar.constraint() if request.grammar is not None else None  # structured outputs
         generation = await self.gather.generate(prompt, sampling, seed=(run.seed * 1_000_003 + len(recorder.calls)) % (1 << 62),
                                                 constraint=constraint)
