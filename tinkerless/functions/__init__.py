@@ -12,7 +12,9 @@
 - `rollout/`: a rollout request served (`requests`: its episode loop and the code its client shipped), the
   episode loops, single- and multi-agent, and chat formatting in token space;
 - `hosting/`: users' env, reward and agent code next to the model, behind the sandbox;
-- `openai_api/`: the OpenAI-compatible endpoint agents and `tinkerless serve` share;
+- `openai_api/`: the OpenAI-compatible endpoint agents and `tinkerless serve` share (`calls`: what every API's
+  route does around the model); `anthropic_api/` and `responses_api/`: Anthropic Messages and OpenAI Responses
+  over the same backend, in their own wire shapes; `apis`: the list of those routers every endpoint mounts;
 - `precision`: the base weights' dtype (adapters stay fp32); `handoff`: the proof a writer commits with each
   policy version, which readers check when they load it;
 - `models`: model resolution and loading (SmolLM2 from its GGUF package, HF ids, local paths, tiny test models);

@@ -7,5 +7,6 @@
 - `lora_inference`: LoRA layers' forward without peft's per-call bookkeeping (mixed adapters in one batch);
 - `slicing`: the safe points where a long generation lets other tenants' calls run;
 - `token_stream`: each drawn token to an asyncio reader as it is drawn (and cancellation back);
+- `constraints`: structured outputs, a per-row token mask (a JSON schema, by llguidance) applied before the draw;
 - `vllm_engine`: the same interface over vLLM, on a GPU where it is installed.
 """
