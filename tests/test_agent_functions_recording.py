@@ -1,4 +1,5 @@
-"""Recorded completion calls -> training sequences, token by token (no model: the recorder is pure)."""
+"""Recorded completion calls -> training sequences, token by token (no model: the recorder is pure), the token
+proof, and (with the shared tiny worker) the policy version each sampled token carries, checked at the update."""
 
 from __future__ import annotations
 
@@ -163,3 +164,39 @@ def test_every_earlier_reply_is_handed_back_not_only_the_last():
     recorder.record(prompt, [9], [-5.0], [END])
     (sequence,) = recorder.sequences()
     assert sequence.mask == [0, 1, 1, 0, 1, 1, 0, 1]
+
+
+def test_each_sampled_token_carries_its_policy_version_and_the_update_checks_the_staleness_bound(worker):
+    from tinkerless.functions.rollout.recording import StaleTokensError
+    from tinkerless.wire.messages import (AdamParams, CreatePolicyRequest, Datum, EpisodeLimits, LoraConfig,
+                                          RolloutRequest, SamplingParams, UpdateRequest)
+    from tinkerless.wire import pack_code
+    import tinkerless
+
+    @tinkerless.reward
+    def length(completion, task):
+        return float(len(completion))
+
+    worker.create_policy(CreatePolicyRequest("versioned", LoraConfig(rank=4, seed=1)))
+    request = RolloutRequest(policy="versioned", tasks=[{"prompt": "hi"}], group_size=2,
+                             sampling=SamplingParams(max_tokens=4), limits=EpisodeLimits(), seed=0,
+                             reward=pack_code(length))
+    episodes = worker.rollout(request).episodes
+    for episode in episodes:
+        mask = np.asarray(episode.mask) > 0
+        assert (episode.sampled_versions[mask] == 0).all() and (episode.sampled_versions[~mask] == -1).all()
+
+    def data():
+        return [Datum(e.tokens, e.mask, advantages=e.mask * sign, sampler_logprobs=e.sampler_logprobs,
+                      sampled_versions=e.sampled_versions) for e, sign in zip(episodes, (1.0, -1.0))]
+
+    adam = AdamParams(learning_rate=1e-3)
+    assert worker.update(UpdateRequest("versioned", data(), tinkerless.LossConfig(), adam, max_staleness=0)).policy_version == 1
+    # The same tokens again: sampled by version 0, the policy is at 1. Refused in sync mode, taken within a bound of 1.
+    with pytest.raises(StaleTokensError, match="version 0, but the policy is at version 1 and max_staleness=0"):
+        worker.update(UpdateRequest("versioned", data(), tinkerless.LossConfig(), adam, max_staleness=0))
+    assert worker.update(UpdateRequest("versioned", data(), tinkerless.LossConfig(), adam, max_staleness=1)).policy_version == 2
+    with pytest.raises(StaleTokensError):
+        worker.update(UpdateRequest("versioned", data(), tinkerless.LossConfig(), adam, max_staleness=1))
+    # A newer rollout is stamped with the new version.
+    assert int(worker.rollout(request).episodes[0].sampled_versions.max()) == 2

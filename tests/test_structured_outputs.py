@@ -57,7 +57,7 @@ ASK = [{"role": "user", "content": "Describe a pet as JSON."}]
 def test_every_choice_of_every_api_parses_against_its_schema(server, schema):
     url, app, _ = server
     client = openai_client(url, KEY)
-    for seed in range(2):
+    for seed in (0,):  # (n=3 rows of one batch, each from its own generator)
         chat = client.chat.completions.create(
             model=base(app), messages=ASK, max_tokens=200, n=3, seed=seed, temperature=1.0,
             response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}})

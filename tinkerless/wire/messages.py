@@ -102,6 +102,7 @@ class TrainingSequence:
     tokens: np.ndarray  # int32 [N]
     mask: np.ndarray  # float32 [N]: 1 on sampled tokens
     sampler_logprobs: np.ndarray  # float32 [N]: 0 where mask is 0
+    sampled_versions: np.ndarray | None = None  # int32 [N]: the policy version that sampled each token; -1: not sampled
 
 
 @dataclass
@@ -122,10 +123,13 @@ class Episode:
     # An agent that rewrote its context: its later calls are sequences of their own, trained with this
     # episode's advantage (the first sequence is tokens/mask/sampler_logprobs above).
     extra_sequences: list[TrainingSequence] = field(default_factory=list)
+    # int32 [N]: the policy version that sampled each token of the first sequence (-1 where mask is 0); None from a
+    # sampler that does not say (the update then cannot check the tokens' staleness)
+    sampled_versions: np.ndarray | None = None
 
     def sequences(self) -> list[TrainingSequence]:
         """Every trained sequence of the episode: the first (tokens/mask/sampler_logprobs), then the extra ones."""
-        first = TrainingSequence(self.tokens, self.mask, self.sampler_logprobs)
+        first = TrainingSequence(self.tokens, self.mask, self.sampler_logprobs, self.sampled_versions)
         return [first, *self.extra_sequences]
 
     def sampled_tokens(self) -> int:
@@ -147,6 +151,7 @@ class Datum:
     sampler_logprobs: np.ndarray | None = None  # float32 [N]
     old_logprobs: np.ndarray | None = None  # float32 [N], trainer log-probs of the sampling policy (TIS)
     ref_logprobs: np.ndarray | None = None  # float32 [N], base model log-probs (KL)
+    sampled_versions: np.ndarray | None = None  # int32 [N], the policy version that sampled each token (-1: none)
 
 
 @dataclass
@@ -195,6 +200,9 @@ class UpdateRequest:
     data: list[Datum]
     loss: Any
     adam: AdamParams = field(default_factory=AdamParams)
+    # With the data's sampled_versions: every trained token sampled at most this many versions before the policy's
+    # current one (the async pipeline's bound, checked per token before the update); None: not checked
+    max_staleness: int | None = None
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Callable
 
 import numpy as np
 
+from tinkerless.errors import TinkerlessError
 from tinkerless.wire.messages import TrainingSequence
 
 
@@ -192,3 +193,41 @@ class EpisodeRecorder:
 
     def sequences(self) -> list[Sequence]:
         return to_sequences(self.calls)
+
+
+class StaleTokensError(TinkerlessError):
+    """An update was asked to train tokens sampled by a policy version older than its staleness bound allows: the
+    rollouts did not sample from the weights the update expects."""
+
+
+def stamp_versions(episodes: list, version: int) -> None:
+    """Give every token of each episode's sequences the policy version that sampled it (`sampled_versions`: the
+    version on sampled tokens, -1 elsewhere): what `check_sampled_versions` verifies at the update."""
+    import numpy as np
+
+    for episode in episodes:
+        episode.sampled_versions = np.where(np.asarray(episode.mask) > 0, version, -1).astype(np.int32)
+        for sequence in episode.extra_sequences:
+            sequence.sampled_versions = np.where(np.asarray(sequence.mask) > 0, version, -1).astype(np.int32)
+
+
+def check_sampled_versions(current: int, data: list, max_staleness: int | None) -> None:
+    """Raise `StaleTokensError` unless every trained token (mask > 0) of `data` that carries its sampled version was
+    sampled by a version no older than current - max_staleness: the staleness bound, verified per token. (No upper
+    bound: an async run's readers restored from a checkpoint are labelled with the checkpoint's step.)"""
+    import numpy as np
+
+    if max_staleness is None:
+        return
+    for i, datum in enumerate(data):
+        versions = getattr(datum, "sampled_versions", None)
+        if versions is None:
+            continue
+        trained = np.asarray(versions)[np.asarray(datum.mask) > 0]
+        if len(trained) and int(trained.min()) < current - max_staleness:
+            raise StaleTokensError(
+                f"datum {i} trains tokens sampled by policy version {int(trained.min())}, but the policy is at "
+                f"version {current} and max_staleness={max_staleness}",
+                hint="the rollouts did not sample from the weights this update expects; this is a bug in the "
+                     "pipeline that produced them")
+

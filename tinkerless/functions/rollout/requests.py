@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from tinkerless.errors import UserError
 from tinkerless.functions.rollout.agent_loop import TokenCounts, run_episodes
+from tinkerless.functions.rollout.recording import stamp_versions
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.rollout.multi_agent_loop import run_games
 from tinkerless.functions.rollout.rollout_clock import TimedEngine, rollout_clock
@@ -47,10 +48,14 @@ def rollout(
     check_policy: Callable[[str], Any],
 ) -> RolloutResult:
     started = time.perf_counter()
-    if request.policy != BASE_POLICY:
-        check_policy(request.policy)
+    # The version of the weights that sample this rollout (a policy cannot change while its rollout runs):
+    # stamped on every sampled token, which the update checks against its staleness bound.
+    version = check_policy(request.policy).version if request.policy != BASE_POLICY else 0
     if request.agent is not None:
-        return _agent_rollout(request, started, engine=engine, tokenizer=tokenizer, hosts=hosts, code_cache=code_cache)
+        result = _agent_rollout(request, started, engine=engine, tokenizer=tokenizer, hosts=hosts,
+                                code_cache=code_cache)
+        stamp_versions(result.episodes, version)
+        return result
     with rollout_clock() as clock:
         episodes = run_episodes(
             TimedEngine(engine),
@@ -66,6 +71,7 @@ def rollout(
             system_prompt=request.system_prompt,
             counts=(counts := TokenCounts()),
         )
+    stamp_versions(episodes, version)
     sampled = float(sum(e.sampled_tokens() for e in episodes))
     stats = {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats()}
     return RolloutResult(episodes, stats)
@@ -110,9 +116,10 @@ def rollout_multi(
 ) -> RolloutResult:
     """Multi-agent games; one episode per game and model-played role."""
     started = time.perf_counter()
+    versions: dict[str, int] = {}  # each model-played seat's policy version (stamped on its episodes' tokens)
     for seat in request.seats.values():
         if seat.opponent is None and seat.policy not in (None, BASE_POLICY):
-            check_policy(seat.policy)
+            versions[seat.policy] = check_policy(seat.policy).version
     opponents = {role: load_code(seat.opponent, hosts, code_cache) for role, seat in request.seats.items() if seat.opponent}
     with rollout_clock() as clock:
         episodes = run_games(
@@ -129,6 +136,8 @@ def rollout_multi(
             timeout=request.protocol_timeout,
             counts=(counts := TokenCounts()),
         )
+    for episode in episodes:
+        stamp_versions([episode], versions.get(episode.info.get("policy"), 0))
     sampled = float(sum(e.sampled_tokens() for e in episodes))
     return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started,
                                     **counts.as_stats(), **clock.as_stats()})

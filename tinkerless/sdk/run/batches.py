@@ -56,6 +56,7 @@ def datums(episodes: list[Episode], advantage_config: AdvantageConfig) -> list[D
                     mask=sequence.mask,
                     advantages=(sequence.mask * advantage).astype(np.float32),
                     sampler_logprobs=sequence.sampler_logprobs,
+                    sampled_versions=sequence.sampled_versions,  # checked against max_staleness at the update
                 )
             )
     return data
