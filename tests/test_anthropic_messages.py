@@ -34,7 +34,7 @@ LONG = 1000
 def server(tiny_model, tmp_path_factory):
     storage = tmp_path_factory.mktemp("messages-server")
     worker = Worker(tiny_model)
-    app = create_app(worker, keys=KeyStore(ObjectStore(str(storage)), extra_keys={KEY: "alice"}), storage=str(storage),
+    app = create_app(worker, keys=KeyStore(ObjectStore(str(storage)), extra_keys={KEY: "alice", "tml-bob-key": "bob"}), storage=str(storage),
                      limits=ServingLimits(max_tokens=LONG, max_samples=4))
     with serve_in_thread(app) as url:
         yield url, app, worker
@@ -216,3 +216,19 @@ def test_tool_use_and_tool_results_round_trip(server):
         # A reply cut by max_tokens inside the call is text, stopped at max_tokens.
         cut = client.messages.create(model="scripted", max_tokens=3, tools=[CALC_TOOL], messages=ask)
         assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
+
+
+def test_a_live_policy_answers_on_messages_and_responses_for_its_tenant_only(server):
+    from tests.scripted_model import openai_client
+    from tinkerless.server.tenancy import tenant_prefix
+    from tinkerless.wire.messages import CreatePolicyRequest, LoraConfig
+
+    url, app, worker = server
+    worker.create_policy(CreatePolicyRequest(tenant_prefix("alice") + "mine", LoraConfig(rank=4, seed=3)))
+    hi = [{"role": "user", "content": "hi"}]
+    message = claude(url).messages.create(model="mine", max_tokens=3, messages=hi, extra_body=GREEDY)
+    response = openai_client(url, KEY).responses.create(model="mine", input="hi", max_output_tokens=3, temperature=0.0)
+    chat = openai_client(url, KEY).chat.completions.create(model="mine", messages=hi, max_tokens=3, temperature=0.0)
+    assert message.content[0].text == response.output_text == chat.choices[0].message.content
+    with pytest.raises(anthropic.NotFoundError):  # bob's "mine" is a name like any other that does not exist
+        claude(url, key="tml-bob-key").messages.create(model="mine", max_tokens=3, messages=hi)
