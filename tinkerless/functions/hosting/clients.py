@@ -6,7 +6,7 @@ SDK's `OpenAIResponsesModel(model="policy", openai_client=client)`). `anthropic_
 (in process, loopback or the sandbox's channel), so its `/v1/messages` calls are recorded into the same episode;
 one episode may mix the three APIs. Outside training (`tinkerless eval --endpoint URL`) it points at that URL.
 
-The Anthropic SDK speaks `httpx2`; the worker's transports are `httpx` ones: `_Bridge` carries each request
+The Anthropic SDK speaks `httpx2`; the worker's transports are `httpx` ones: `bridge` carries each request
 across, streaming the reply body through as it comes (SSE).
 """
 
@@ -40,7 +40,7 @@ def anthropic_client(client: Any, **options: Any) -> Any:
     base_url = str(client.base_url).rstrip("/").removesuffix("/v1")  # the SDK adds /v1/messages
     http_client = _transports.get(client)
     if http_client is not None and "http_client" not in options:
-        options["http_client"] = httpx2.AsyncClient(transport=_Bridge(http_client), timeout=http_client.timeout.read)
+        options["http_client"] = httpx2.AsyncClient(transport=bridge(http_client), timeout=http_client.timeout.read)
     options.setdefault("max_retries", 0)
     return anthropic.AsyncAnthropic(api_key=client.api_key, base_url=base_url, **options)
 
@@ -79,11 +79,13 @@ def _bridge_class():
     return Bridge
 
 
-def _Bridge(http_client: Any) -> Any:
-    global _bridge
-    if _bridge is None:
-        _bridge = _bridge_class()
-    return _bridge(http_client)
+_bridge_type: Any = None
 
 
-_bridge = None
+def bridge(http_client: Any) -> Any:
+    """An httpx2 transport over `http_client` (an `httpx.AsyncClient`); the class is made on first use, so this
+    module imports neither library until an agent asks for an Anthropic client."""
+    global _bridge_type
+    if _bridge_type is None:
+        _bridge_type = _bridge_class()
+    return _bridge_type(http_client)
