@@ -11,6 +11,8 @@ import time
 import anthropic
 import httpx
 import pytest
+
+import tinkerless
 from fastapi import FastAPI
 
 from tinkerless.functions.anthropic_api import messages_router
@@ -232,3 +234,19 @@ def test_a_live_policy_answers_on_messages_and_responses_for_its_tenant_only(ser
     assert message.content[0].text == response.output_text == chat.choices[0].message.content
     with pytest.raises(anthropic.NotFoundError):  # bob's "mine" is a name like any other that does not exist
         claude(url, key="tml-bob-key").messages.create(model="mine", max_tokens=3, messages=hi)
+
+
+@tinkerless.agent
+async def claude_agent(client, task):
+    claude = tinkerless.anthropic_client(client)
+    reply = await claude.messages.create(model="policy", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    return float(reply.usage.output_tokens)
+
+
+def test_tinkerless_eval_sends_an_anthropic_agents_policy_calls_to_the_evaluated_model(server):
+    from tinkerless.sdk.evaluation.agent_eval import evaluate_agent
+
+    url, app, _ = server
+    report = evaluate_agent(claude_agent, [{"q": 1}], endpoint=f"{url}/v1", model=base(app), api_key=KEY, episodes=2)
+    assert [e.error for e in report.episodes] == [None, None]
+    assert all(1 <= e.reward <= 3 and e.calls[0]["request"]["model"] == base(app) for e in report.episodes)
