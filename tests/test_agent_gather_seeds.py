@@ -30,7 +30,7 @@ def _gathered(engine, order: list[int], sampling: list[SamplingParams]) -> dict[
     async def main():
         with ThreadPoolExecutor(2) as executor:
             gather = _Gather(
-                lambda prompts, s, seeds: engine.generate(prompts, s, policy=None, seed=seeds[0], row_seeds=seeds),
+                lambda prompts, s, seeds, constraints: engine.generate(prompts, s, policy=None, seed=seeds[0], row_seeds=seeds),
                 executor, live=len(order),
             )  # fmt: skip
             results = await asyncio.gather(*(gather.generate(PROMPTS[i], sampling[i], seed=SEEDS[i]) for i in order))

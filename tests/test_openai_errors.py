@@ -61,7 +61,9 @@ CASES = [  # (route, body, expected param, expected code)
     ("chat", {"messages": HI, "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
     ("chat", {"messages": HI, "frequency_penalty": 1.0}, "frequency_penalty", "unsupported_parameter"),
     ("chat", {"messages": HI, "logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
-    ("chat", {"messages": HI, "response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ("chat", {"messages": HI, "response_format": {"type": "yaml"}}, "response_format", "invalid_value"),
+    ("chat", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "if": {}}}}}, "response_format.json_schema.schema", "unsupported_schema"),
     ("chat", {"messages": HI, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
     ("completions", {"prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
     ("completions", {"prompt": "x", "suffix": "y"}, "suffix", "unsupported_parameter"),

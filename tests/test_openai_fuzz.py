@@ -146,3 +146,98 @@ def test_no_request_body_gets_a_5xx(server):
     answer = http.post("/v1/chat/completions", headers=AUTH,
                        json={"model": base, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+block = st.one_of(
+    st.fixed_dictionaries({"type": field(st.just("text")), "text": field(st.text(max_size=20))}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": field(st.text(max_size=5)), "name": field(st.text(max_size=5)),
+                           "input": field(st.just({"x": 1}))}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": field(st.text(max_size=5)),
+                           "content": field(st.text(max_size=10) | st.lists(junk, max_size=2))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image", "thinking", "document", ""])}, optional={"source": junk}),
+)
+anthropic_message = st.fixed_dictionaries({"role": field(st.sampled_from(["user", "user", "assistant", "system"])),
+                                           "content": field(st.text(max_size=30) | st.lists(block, max_size=3))})
+anthropic_tool = st.fixed_dictionaries({"name": field(st.from_regex(r"[a-z_]{1,10}", fullmatch=True))}, optional={
+    "type": field(st.sampled_from(["custom", "bash_20250124"])), "description": junk,
+    "input_schema": field(st.just({"type": "object", "properties": {"x": {"type": "string"}}}))})
+
+
+def messages_bodies(base: str):
+    return spoiled(st.fixed_dictionaries({"model": models(base), "max_tokens": field(st.integers(0, 8)),
+                                          "messages": field(st.lists(anthropic_message, min_size=1, max_size=3))}, optional={
+        "system": field(st.text(max_size=20) | st.lists(block, max_size=2)),
+        "stop_sequences": field(st.lists(st.text(max_size=3), max_size=3)), "temperature": field(st.floats(-0.5, 1.5)),
+        "top_p": field(st.floats(0, 1.2)), "top_k": field(st.integers(-2, 2**40)), "stream": field(st.booleans()),
+        "tools": field(st.lists(anthropic_tool, max_size=2)),
+        "tool_choice": field(st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                              {"type": "tool", "name": "x"}, {"type": "bogus"}])),
+        "thinking": field(st.sampled_from([{"type": "disabled"}, {"type": "enabled", "budget_tokens": 5}])),
+        "metadata": junk, "unknown_field": junk}))
+
+
+item = st.one_of(
+    st.fixed_dictionaries({"role": field(st.sampled_from(["user", "assistant", "system", "developer", "tool"]))},
+                          optional={"type": field(st.just("message")), "content": field(st.text(max_size=30) | st.lists(
+                              st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                                     "text": junk}), max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": field(st.text(max_size=5)),
+                           "name": field(st.text(max_size=5)), "arguments": field(st.just('{"x": 1}') | st.text(max_size=6))}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": field(st.text(max_size=5)),
+                           "output": field(st.text(max_size=10))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference", "web_search_call"])}),
+)
+responses_tool = st.fixed_dictionaries({"type": field(st.sampled_from(["function", "function", "web_search"])),
+                                        "name": field(st.from_regex(r"[a-z_]{1,10}", fullmatch=True))}, optional={
+    "parameters": field(st.just({"type": "object", "properties": {"x": {"type": "string"}}})), "strict": junk})
+
+
+def responses_bodies(base: str):
+    return spoiled(st.fixed_dictionaries({"model": models(base), "input": field(st.text(max_size=30) | st.lists(item, max_size=3))},
+                                         optional={
+        "instructions": field(st.text(max_size=20)), "max_output_tokens": field(st.integers(0, 8)),
+        "temperature": field(st.floats(0, 2.5)), "top_p": field(st.floats(0, 1.2)), "stream": field(st.booleans()),
+        "store": field(st.booleans()), "previous_response_id": field(st.sampled_from(["resp_x", "", "resp_" + "0" * 24])),
+        "tools": field(st.lists(responses_tool, max_size=2)), "tool_choice": field(st.sampled_from(["auto", "none", "required"])),
+        "text": field(st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}])),
+        "reasoning": junk, "metadata": junk, "unknown_field": junk}))
+
+
+def check_other(response: httpx.Response, sent) -> None:
+    """`check` for /v1/messages (Anthropic's error shape and events) and /v1/responses (OpenAI's error shape)."""
+    where = f"{response.request.url.path} {str(sent)[:300]}"
+    anthropic = response.request.url.path == "/v1/messages"
+    assert response.status_code < 500, f"{where} -> {response.status_code}: {response.text[:400]}"
+    if response.status_code >= 400:
+        body = response.json()
+        if anthropic:
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"], where
+        else:
+            assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"], where
+        assert "Value error, " not in str(body), where
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        last = response.text.strip().split("\n\n")[-1]
+        assert last.startswith("event: message_stop" if anthropic else "event: response."), where
+    else:
+        assert response.json()["type" if anthropic else "object"] in ("message", "response"), where
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_no_messages_or_responses_body_gets_a_5xx(server):
+    http, base = server
+
+    @settings(max_examples=max(1, EXAMPLES // 2), deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.one_of(
+        st.tuples(st.just("/v1/messages"), messages_bodies(base)),
+        st.tuples(st.just("/v1/responses"), responses_bodies(base)),
+        st.tuples(st.sampled_from(["/v1/messages", "/v1/responses"]), junk),
+    ))
+    def one(case):
+        path, body = case
+        check_other(http.post(path, content=json.dumps(body).encode(), headers=AUTH), body)
+
+    one()
+    for raw in (b"", b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000, b'{"model": 1e999}', b"{" * 50, b"null"):
+        for path in ("/v1/messages", "/v1/responses"):
+            check_other(http.post(path, content=raw, headers=AUTH), raw[:40])

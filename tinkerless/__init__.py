@@ -10,6 +10,8 @@
 Public API:
 - `env`, `reward`: decorators for user environments and reward functions; `judge`: an LLM judge as a reward;
 - `agent`, `AgentResult`: an async OpenAI-client agent function, trained as it is (docs/agents.md);
+  `anthropic_client(client)`: an Anthropic client on the same episode (docs/anthropic-messages.md);
+  `external_agent(command)`: an agent in another process or language, through the capture endpoint;
 - `StepResult`: what an env's `step()` returns;
 - `train`, `TrainConfig`, `RunResult`: run RL end to end;
 - `sft`, `SFTConfig`: supervised fine-tuning on chat data (docs/sft.md);
@@ -51,6 +53,8 @@ _LAZY = {
     "SamplingParams": "tinkerless.wire.messages",
     "LoraConfig": "tinkerless.wire.messages",
     "Datum": "tinkerless.wire.messages",
+    "anthropic_client": "tinkerless.functions.hosting.clients",
+    "external_agent": "tinkerless.functions.hosting.external_agents",
     "Frozen": "tinkerless.sdk.run.agents",
     "self_play": "tinkerless.sdk.run.agents",
     "versus": "tinkerless.sdk.run.agents",

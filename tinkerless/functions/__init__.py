@@ -13,7 +13,9 @@
 - `rollout/`: a rollout request served (`requests`: its episode loop and the code its client shipped), the
   episode loops, single- and multi-agent, and chat formatting in token space;
 - `hosting/`: users' env, reward and agent code next to the model, behind the sandbox;
-- `openai_api/`: the OpenAI-compatible endpoint agents and `tinkerless serve` share;
+- `openai_api/`: the OpenAI-compatible endpoint agents and `tinkerless serve` share (`calls`: what every API's
+  route does around the model); `anthropic_api/` and `responses_api/`: Anthropic Messages and OpenAI Responses
+  over the same backend, in their own wire shapes; `apis`: the list of those routers every endpoint mounts;
 - `companions/`: other models in the loop, beside the policy: a distillation teacher's alignment across
   tokenizers and its scores from an endpoint, an LLM judge's prompt, verdicts and cache;
 - `precision`: the base weights' dtype (adapters stay fp32); `handoff`: the proof a writer commits with each

@@ -28,6 +28,7 @@ from tinkerless.functions.policies import Policy, PolicyAdapters
 from tinkerless.functions.training import forward_backward as training
 from tinkerless.functions.training import topk_distillation
 from tinkerless.functions.rollout.chat import ChatFormat
+from tinkerless.functions.rollout.recording import check_sampled_versions
 from tinkerless.functions.sampling.engine import TransformersEngine
 from tinkerless.functions.training.policy_state import (ADAPTER_CONFIG, canonical_adapter_config, check_weights_fit,
                                                       parse_policy_state)
@@ -383,6 +384,8 @@ class Worker:
         return OptimStepResult(metrics, policy.version)
 
     def update(self, request: UpdateRequest) -> UpdateResult:
+        # Every trained token was sampled within the staleness bound of this policy's version (recording.py).
+        check_sampled_versions(self._policy(request.policy).version, request.data, getattr(request, "max_staleness", None))
         fb = self.forward_backward(ForwardBackwardRequest(request.policy, request.data, request.loss))
         step = self.optim_step(OptimStepRequest(request.policy, request.adam))
         return UpdateResult({**fb.metrics, **step.metrics}, step.policy_version)

@@ -239,6 +239,7 @@ def create_app(
         app.state.runs = RunService(store, worker, fence=scheduler)
         app.include_router(make_router(app.state.runs, scheduler, tenant_of, max_request_bytes))
 
+        from tinkerless.functions.apis import api_routers
         from tinkerless.server.openai_api import openai_router
         from tinkerless.server.openai_api.serve_backend import ServeBackend
 
@@ -246,6 +247,10 @@ def create_app(
         app.state.openai = ServeBackend(worker, scheduler, store, limits=limits)
         app.state.cancel_jobs = app.state.openai.cancel_all
         app.include_router(openai_router(app.state.openai, caller=tenant_of, max_body_bytes=max_request_bytes))
+        # Anthropic Messages and OpenAI Responses: the same backend, keys and limits (docs/anthropic-messages.md,
+        # docs/responses.md).
+        for more in api_routers(app.state.openai, caller=tenant_of, max_body_bytes=max_request_bytes):
+            app.include_router(more)
 
     if tinker_api and hasattr(worker, "model_name"):
         from tinkerless.functions.models import resolve_model

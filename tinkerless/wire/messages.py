@@ -122,6 +122,7 @@ class TrainingSequence:
     mask: np.ndarray  # float32 [N]: 1 on sampled tokens
     sampler_logprobs: np.ndarray  # float32 [N]: 0 where mask is 0
     images: list[VisionInput] = field(default_factory=list)  # processed images, in the order of their tokens
+    sampled_versions: np.ndarray | None = None  # int32 [N]: the policy version that sampled each token; -1: not sampled
 
 
 @dataclass
@@ -148,9 +149,14 @@ class Episode:
     # retried, then dropped from its group (docs/errors.md).
     infra_cause: str | None = None
 
+    # int32 [N]: the policy version that sampled each token of the first sequence (-1 where mask is 0); None from a
+    # sampler that does not say (the update then cannot check the tokens' staleness)
+    sampled_versions: np.ndarray | None = None
+
+
     def sequences(self) -> list[TrainingSequence]:
         """Every trained sequence of the episode: the first (tokens/mask/sampler_logprobs), then the extra ones."""
-        first = TrainingSequence(self.tokens, self.mask, self.sampler_logprobs, self.images)
+        first = TrainingSequence(self.tokens, self.mask, self.sampler_logprobs, self.images, self.sampled_versions)
         return [first, *self.extra_sequences]
 
     def sampled_tokens(self) -> int:
@@ -177,6 +183,7 @@ class Datum:
     # k most likely ids for token i given tokens < i and their log-probs (row 0 unused).
     target_topk_ids: np.ndarray | None = None  # int32 [N, k]
     target_topk_logprobs: np.ndarray | None = None  # float32 [N, k]
+    sampled_versions: np.ndarray | None = None  # int32 [N], the policy version that sampled each token (-1: none)
 
 
 @dataclass
@@ -228,6 +235,9 @@ class UpdateRequest:
     data: list[Datum]
     loss: Any
     adam: AdamParams = field(default_factory=AdamParams)
+    # With the data's sampled_versions: every trained token sampled at most this many versions before the policy's
+    # current one (the async pipeline's bound, checked per token before the update); None: not checked
+    max_staleness: int | None = None
 
 
 @dataclass

@@ -329,7 +329,8 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
         m.ForwardRequest: {"policy": policy_name, "topk": between(0, MAX_TOPK)},
         m.ForwardBackwardRequest: {"policy": trainable_policy, "data": _non_empty, "loss": loss},
         m.OptimStepRequest: {"policy": trainable_policy},
-        m.UpdateRequest: {"policy": trainable_policy, "data": _non_empty, "loss": loss},
+        m.UpdateRequest: {"policy": trainable_policy, "data": _non_empty, "loss": loss,
+                          "max_staleness": between(0, MAX_STEP)},
         m.SampleRequest: {"policy": policy_name, "prompts": _non_empty, "num_samples": count, "seed": seed},
         m.SaveStateRequest: {"policy": policy_name},
         m.PolicyState: {"policy": trainable_policy, "policy_version": step, "files": _file_keys},
@@ -388,6 +389,10 @@ def _datums(request: Any) -> None:
         path = f"{type(request).__name__}.data[{i}]"
         if datum.tokens.ndim != 1 or datum.tokens.dtype.kind not in "iu" or len(datum.tokens) < 1:
             _fail(f"{path}.tokens", "must be a non-empty 1-D integer array")
+        versions = getattr(datum, "sampled_versions", None)
+        if versions is not None and (versions.shape != datum.tokens.shape or versions.dtype.kind not in "iu"
+                                     or (len(versions) and int(versions.min()) < -1)):
+            _fail(f"{path}.sampled_versions", f"must be an integer array of shape {datum.tokens.shape}, -1 or more")
         for name in ("mask", "advantages", "sampler_logprobs", "old_logprobs", "ref_logprobs"):
             values = getattr(datum, name)
             if values is None:

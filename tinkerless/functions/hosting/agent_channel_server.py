@@ -137,10 +137,14 @@ class ChannelServer:
 
 
 def _bearer(headers: list) -> str | None:
+    """The bearer token (OpenAI's clients), else the x-api-key header (Anthropic's), as `bearer_token` reads them."""
+    keyed = None
     for name, value in headers:
         if name.lower() == "authorization" and value[:7].lower() == "bearer ":
             return value[7:].strip() or None
-    return None
+        if name.lower() == "x-api-key":
+            keyed = value or None
+    return keyed
 
 
 __all__ = ["ChannelServer"]

@@ -33,7 +33,7 @@ import numpy as np
 
 from tinkerless.errors import infra_cause_tag
 from tinkerless.functions.sampling.engine import Engine, row_seed
-from tinkerless.functions.rollout.recording import EpisodeRecorder, Sequence
+from tinkerless.functions.rollout.recording import EpisodeRecorder, Sequence, TokenProofError, prove_tokens
 from tinkerless.functions.hosting.agent_host import play_copy
 from tinkerless.functions.openai_api.backend import OpenAIError, SampledChoice, TokenSampling
 from tinkerless.wire.messages import Episode, EpisodeLimits, SamplingParams
@@ -86,7 +86,9 @@ class PolicyBackend:
         self.sampling, self.limits, self.copies, self.executor = sampling, limits, copies, executor
         self.calls = 0  # every call sampled in this rollout (a statistic)
         self.gather = _Gather(
-            lambda prompts, sampling, seeds: engine.generate(prompts, sampling, policy=policy, seed=seeds[0], row_seeds=seeds),
+            lambda prompts, sampling, seeds, constraints: engine.generate(
+                prompts, sampling, policy=policy, seed=seeds[0], row_seeds=seeds,
+                **({"constraints": constraints} if any(c is not None for c in constraints) else {})),
             executor, live=len(copies),
         )
 
@@ -126,14 +128,21 @@ class PolicyBackend:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                   top_k=self.sampling.top_k, stop_token_ids=list(request.stop_token_ids))
         seed = (run.seed * 1_000_003 + len(recorder.calls)) % (1 << 62)
+        if request.grammar is not None and not hasattr(self.engine, "batcher"):
+            raise OpenAIError("structured outputs and required tool calls need the transformers engine (its sampler "
+                              "applies the token masks); this rollout runs another", code="unsupported_parameter")
+        constraint = request.grammar.constraint() if request.grammar is not None else None  # structured outputs
         if request.images:  # image features merged in the prefill, one call at a time (functions/vision/sampler.py)
+            if constraint is not None:
+                raise OpenAIError("structured outputs are not supported with images in the prompt yet",
+                                  code="unsupported_parameter")
             from tinkerless.functions.vision.sampler import VisionPrompt
 
             generation = (await asyncio.get_running_loop().run_in_executor(
                 self.executor, lambda: self.vision.sampler.generate(
                     [VisionPrompt(prompt, list(request.images))], sampling, policy=self.policy, seed=seed)))[0]
         else:
-            generation = await self.gather.generate(prompt, sampling, seed=seed)
+            generation = await self.gather.generate(prompt, sampling, seed=seed, constraint=constraint)
         tokens, logprobs = cut_at_stop_strings(self._tokenizer, generation.tokens, generation.logprobs, request.stop_strings)
         stopped = generation.stop_reason == "stop" or len(tokens) < len(generation.tokens)
         recorder.record(prompt, tokens, logprobs, request.stop_token_ids, request.stop_strings)
@@ -156,17 +165,17 @@ class _Gather:
                  window: float = 0.02, most: float = 0.25):
         self.generate_many, self.executor, self.live = generate, executor, live
         self.window, self.most = window, most
-        self._pending: list[tuple[list[int], SamplingParams, int, asyncio.Future]] = []
+        self._pending: list[tuple[list[int], SamplingParams, int, asyncio.Future, Any]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._first = 0.0
         self.flushes = 0  # generate calls made (a statistic: calls / flushes is the gathered batch)
 
-    async def generate(self, prompt: list[int], sampling: SamplingParams, *, seed: int) -> Any:
+    async def generate(self, prompt: list[int], sampling: SamplingParams, *, seed: int, constraint: Any = None) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._pending:
             self._first = loop.time()
-        self._pending.append((prompt, sampling, seed, future))
+        self._pending.append((prompt, sampling, seed, future, constraint))
         self._schedule(loop)
         return await future
 
@@ -180,7 +189,7 @@ class _Gather:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        waiting = sum(not f.done() for *_, f in self._pending)
+        waiting = sum(not item[3].done() for item in self._pending)
         if waiting >= self.live:
             self._flush()
         else:
@@ -203,9 +212,10 @@ class _Gather:
             self.flushes += 1
             # Each call's row draws from its own seed, exactly as it would alone (row 0 of a call seeded with it):
             # which calls happen to be gathered together, and in what order, changes nothing they sample.
-            prompts, seeds = [p for p, *_ in items], [row_seed(seed, 0) for _, _, seed, _ in items]
-            job = loop.run_in_executor(self.executor, self.generate_many, prompts, items[0][1], seeds)
-            job.add_done_callback(lambda done, items=items: _deliver(done, [f for *_, f in items]))
+            prompts, seeds = [item[0] for item in items], [row_seed(item[2], 0) for item in items]
+            constraints = [item[4] for item in items]
+            job = loop.run_in_executor(self.executor, self.generate_many, prompts, items[0][1], seeds, constraints)
+            job.add_done_callback(lambda done, items=items: _deliver(done, [item[3] for item in items]))
 
 
 def _deliver(done: asyncio.Future, futures: list[asyncio.Future]) -> None:
@@ -266,6 +276,8 @@ def run_agent_episodes(
 ) -> list[Episode]:
     """Run `group_size` copies of `agent` per task against the policy; one episode per copy, in task order.
     With `vision` (a VLM's runtime) the agent's calls may carry images (`image_url` parts)."""
+    if getattr(agent, "__tinkerless_loopback__", False):
+        transport = "http"  # an external agent (external_agents.py) reaches the endpoint from another process
     copies = make_copies(tokenizer, tasks, group_size, seed)
     with ThreadPoolExecutor(max_workers=max(1, min(len(copies), MAX_SAMPLING_THREADS)), thread_name_prefix="agent-sample") as executor:
         backend = PolicyBackend(engine, tokenizer, policy=policy, sampling=sampling, limits=limits,
@@ -303,22 +315,34 @@ def endpoint_app(backend: Any):
     """The worker's OpenAI-compatible app: the serve router over `backend`; the bearer token names the caller."""
     from fastapi import FastAPI
 
+    from tinkerless.functions.apis import api_routers
     from tinkerless.functions.openai_api.router import openai_router
 
     app = FastAPI()
     app.include_router(openai_router(backend, caller=bearer_token))
+    for more in api_routers(backend, caller=bearer_token):  # Anthropic Messages, OpenAI Responses
+        app.include_router(more)
+    if hasattr(backend, "copies"):  # a rollout's endpoint: external agents post their rewards to it
+        from tinkerless.functions.hosting.external_agents import reward_router
+
+        app.include_router(reward_router(backend, bearer_token))
     return app
 
 
 def bearer_token(request: Any) -> str | None:
-    """The API key of a request (an episode id here); None without one (the router answers 401)."""
+    """The API key of a request (an episode id here): the bearer token (OpenAI's clients), else the x-api-key
+    header (Anthropic's); None without one (the router answers 401)."""
     header = request.headers.get("authorization", "")
-    return (header[7:].strip() or None) if header[:7].lower() == "bearer " else None
+    if header[:7].lower() == "bearer ":
+        return header[7:].strip() or None
+    return request.headers.get("x-api-key") or None
 
 
 async def _play(agent: Callable, copies: list[_Copy], backend: PolicyBackend, timeout: float, transport: str) -> None:
     import httpx
     import openai
+
+    from tinkerless.functions.hosting.clients import register
 
     app = endpoint_app(backend)
     server = None
@@ -329,6 +353,7 @@ async def _play(agent: Callable, copies: list[_Copy], backend: PolicyBackend, ti
     try:
         async def play(run: _Copy) -> None:
             client = openai.AsyncOpenAI(api_key=run.episode_id, base_url=base_url, http_client=http_client, max_retries=0)
+            register(client, http_client)  # tinkerless.anthropic_client(client) sends through it too
             try:
                 run.settle(await play_copy(agent, client, run.task, timeout))
             finally:
@@ -368,7 +393,9 @@ def _episode(run: _Copy, tokenizer: Any) -> Episode:
     extra = [s.as_wire() for s in sequences[1:]]
     for sequence, own in zip(extra, images[1:]):
         sequence.images = own
-    return Episode(
+    info = {"agent_metrics": run.metrics} if run.metrics else {}
+    info.update(sequences=len(sequences), render_drift_turns=run.recorder.drift_turns)
+    episode = Episode(
         task_index=run.task_index,
         tokens=np.asarray(first.tokens, dtype=np.int32),
         mask=np.asarray(first.mask, dtype=np.float32),
@@ -381,11 +408,26 @@ def _episode(run: _Copy, tokenizer: Any) -> Episode:
         error=run.error,
         traceback=run.traceback,
         transcript=_transcript(run, tokenizer),
-        info={"agent_metrics": run.metrics, "sequences": len(sequences)} if run.metrics else {"sequences": len(sequences)},
+        info=info,
         extra_sequences=extra,
         images=images[0] if images and ok else [],
         infra_cause=run.infra_cause if not ok else None,
     )
+    return proven(episode, calls, [s.spans for s in sequences] or [[]])
+
+
+def proven(episode: Episode, calls: list, spans: list[list[tuple[int, int]]]) -> Episode:
+    """`episode` if the arrays it ships prove its tokens (`recording.prove_tokens`); else the same episode refused:
+    an error episode (never trained) that says why."""
+    arrays = [(episode.tokens, episode.mask, episode.sampler_logprobs),
+              *[(s.tokens, s.mask, s.sampler_logprobs) for s in episode.extra_sequences]]
+    try:
+        prove_tokens(calls, arrays, spans)
+    except TokenProofError as exc:
+        episode.status, episode.reward, episode.turn_rewards = "error", math.nan, []
+        episode.error = f"the episode's token proof failed, so it is not trained: {exc}"
+        episode.info["token_proof_failed"] = True
+    return episode
 
 
 def _transcript(run: _Copy, tokenizer: Any) -> list[dict]:

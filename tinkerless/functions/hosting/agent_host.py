@@ -52,12 +52,14 @@ async def _run(agent: Callable, channel: socket.socket, tasks: list[dict], keys:
     import openai
 
     from tinkerless.functions.hosting.agent_channel import ChannelTransport
+    from tinkerless.functions.hosting.clients import register
 
     transport = ChannelTransport(channel)
     http_client = httpx.AsyncClient(transport=transport, timeout=timeout)
 
     async def play(task: dict, key: str) -> dict:
         client = openai.AsyncOpenAI(api_key=key, base_url=BASE_URL, http_client=http_client, max_retries=0)
+        register(client, http_client)  # tinkerless.anthropic_client(client) sends through the channel too
         try:
             return await play_copy(agent, client, task, timeout)
         finally:

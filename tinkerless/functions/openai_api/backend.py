@@ -30,6 +30,8 @@ class TokenSampling:
     seed: int | None
     top_logprobs: int  # 0 = none; else the k most likely tokens at each sampled position
     images: tuple = ()  # a vision-language prompt's processed images (`VisionInput`), in the order of their tokens
+    top_k: int = 0  # 0 = off; else draw among the k most likely tokens only (Anthropic's top_k)
+    grammar: Any = None  # a `sampling.constraints.Grammar` each choice's tokens must follow (structured outputs)
 
 
 @dataclass(frozen=True)

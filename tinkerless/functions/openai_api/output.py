@@ -28,6 +28,7 @@ class FinishedChoice:
     top_logprobs: list[list[tuple[int, float]]] | None
     completion_tokens: int  # tokens drawn up to the stop (a stop token included): usage
     finish_reason: str  # "stop" | "length"
+    stop_string: str | None = None  # the stop string that ended the text, if one did (Anthropic's stop_sequence)
 
     @property
     def text(self) -> str:
@@ -83,15 +84,16 @@ class StopScanner:
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""
         self.cut: int | None = None
+        self.matched: str | None = None  # the stop string found at `cut`
 
     def add(self, piece: str) -> bool:
         if self.cut is not None:
             return True
         searched_from = max(0, len(self.text) - self.longest + 1)  # earlier matches were found at earlier pieces
         self.text += piece
-        found = [i for i in (self.text.find(s, searched_from) for s in self.stops) if i >= 0]
+        found = [(i, s) for i, s in ((self.text.find(s, searched_from), s) for s in self.stops) if i >= 0]
         if found:
-            self.cut = min(found)
+            self.cut, self.matched = min(found, key=lambda match: match[0])
         return self.cut is not None
 
     def stable(self) -> int:
@@ -127,7 +129,7 @@ def finish(tokenizer, choice: SampledChoice, stop_strings: list[str], stop_token
             pieces, tokens, drawn, reason = clip_pieces(pieces[:k + 1], scanner.cut), tokens[:k + 1], k + 1, "stop"
             break
     top = choice.top_logprobs[: len(tokens)] if choice.top_logprobs is not None else None
-    return FinishedChoice(pieces, tokens, list(choice.logprobs[: len(tokens)]), top, drawn, reason)
+    return FinishedChoice(pieces, tokens, list(choice.logprobs[: len(tokens)]), top, drawn, reason, scanner.matched)
 
 
 def token_text(tokenizer, token_id: int) -> str:

@@ -235,3 +235,16 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     if not calls:
         return (text or None), calls
     return ("".join(kept).rstrip() or None), calls
+
+
+def tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
+    """A Lark grammar (llguidance's, `sampling.constraints`) for a reply that is exactly one tool call in the format
+    `parse_tool_calls` reads: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the arguments following
+    the tool's parameters schema. With `name`, that tool only; else any of `tools` (checked OpenAI function tools)."""
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
+    schema = {"anyOf": calls, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
+                                             "item_separator": ", "}}
+    return f'start: "<tool_call>" call "</tool_call>"\ncall: %json {json.dumps(schema)}'
+

@@ -19,7 +19,8 @@ import dataclasses
 import inspect
 import json
 import logging
-from typing import Any, Awaitable, Callable, TypeVar
+from dataclasses import replace
+from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,22 +28,19 @@ from pydantic import ValidationError
 
 from tinkerless.errors import BudgetExceeded, ModelNotFoundError, ServerBusy, TinkerlessError
 from tinkerless.functions.sampling.token_stream import Cancellation
-from tinkerless.wire.http import RequestTooLarge, read_body
-from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError, TokenSampling
+from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError
+from tinkerless.functions.openai_api.calls import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, ModelCalls, unless_disconnected
 from tinkerless.functions.openai_api.output import finish
 from tinkerless.functions.openai_api.render import chat_format, check_tools, render_chat
 from tinkerless.functions.openai_api.vision import has_image_parts, render_vision_chat
 from tinkerless.functions.openai_api.replies import ChatReply, CompletionReply
 from tinkerless.functions.openai_api.schemas import ChatCompletionRequest, CompletionRequest, FieldError
 from tinkerless.functions.openai_api.streaming import ChoiceText, chat_chunks, completion_chunks, open_streams, sse_response
-from tinkerless.wire.messages import GREEDY_BELOW
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
-DEFAULT_MAX_TOKENS = 1024  # a chat completion without max_tokens (capped by the context and the backend)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (capped the same way)
-MAX_BODY_BYTES = 16 * 1024 * 1024
+__all__ = ["DEFAULT_MAX_TOKENS", "error_body", "error_response", "openai_router"]
 
 
 def error_body(exc: BaseException) -> tuple[int, dict]:
@@ -96,63 +94,19 @@ def openai_router(
     """The routes over `backend`. `caller(request)` names who is calling (a tenant, an episode);
     None means the request carries no valid API key (401)."""
     router = APIRouter()
-    # Backends written against the protocol before `cancel` existed still work: they are just not cancelled.
-    cancellable = "cancel" in inspect.signature(backend.sample).parameters
-
-    def sample_call(who: str, model: str, request: TokenSampling, cancel: Cancellation):
-        return backend.sample(who, model, request, cancel=cancel) if cancellable else backend.sample(who, model, request)
-
-    async def who_and_body(request: Request, schema) -> tuple[str, Any]:
-        who = caller(request)
-        if who is None:
-            raise OpenAIError("missing or invalid API key", status=401, code="invalid_api_key",
-                              hint="pass api_key= to the OpenAI client (Authorization: Bearer <key>)")
-        try:
-            raw = await read_body(request, max_body_bytes)
-        except RequestTooLarge as exc:
-            raise OpenAIError(f"request body of {exc.size} bytes is over this server's limit of {exc.limit}",
-                              status=413, code="request_too_large") from None
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise OpenAIError(f"the request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
-        except RecursionError:
-            raise OpenAIError("the request body is nested too deeply", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise OpenAIError("the request body must be a JSON object", code="invalid_json")
-        return who, schema.model_validate(data)
-
-    def refuse_long_text(characters: int, param: str) -> None:
-        """Refuse a prompt that cannot fit, on its length in characters, before spending CPU on tokenizing it:
-        no token of the vocabulary spells more than `max_token_chars` characters (`prompt_char_limit`)."""
-        limit = getattr(backend, "prompt_char_limit", None)
-        if limit is not None and characters > limit:
-            raise OpenAIError(
-                f"the prompt is {characters} characters long, more than the {backend.max_prompt_tokens} tokens this "
-                f"server takes could hold", param=param, code="context_length_exceeded",
-                hint="shorten the prompt")
-
-    def context_cap(prompt_length: int) -> int:
-        """max_tokens when the request gives none: the backend's default, within what the context leaves."""
-        default = getattr(backend, "default_max_tokens", DEFAULT_MAX_TOKENS)
-        context = getattr(backend, "context_length", None)
-        return default if context is None else max(1, min(default, context - prompt_length))
+    calls = ModelCalls(backend, caller, max_body_bytes,
+                       key_hint="pass api_key= to the OpenAI client (Authorization: Bearer <key>)")
+    refuse_long_text, context_cap = calls.refuse_long_text, calls.context_cap
 
     def sampling(body, prompt_ids: list[int], max_tokens: int | None, top_logprobs: int, stop_ids: list[int]):
-        return TokenSampling(
-            prompt_ids=prompt_ids, n=body.n,
-            max_tokens=max_tokens if max_tokens is not None else context_cap(len(prompt_ids)),
-            temperature=_temperature(body.temperature),
-            top_p=1.0 if body.top_p is None else float(body.top_p),
-            stop_strings=body.stop_strings, stop_token_ids=stop_ids, seed=body.seed, top_logprobs=top_logprobs,
-        )
+        return calls.sampling(prompt_ids, stop_ids, max_tokens=max_tokens, temperature=body.temperature,
+                              top_p=body.top_p, stop_strings=body.stop_strings, n=body.n, seed=body.seed,
+                              top_logprobs=top_logprobs)
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> Response:
         try:
-            who = caller(request)
-            if who is None:
-                raise OpenAIError("missing or invalid API key", status=401, code="invalid_api_key")
+            who = calls.who(request)
             names = await asyncio.to_thread(backend.models, who)
         except Exception as exc:  # noqa: BLE001 - every failure answers an OpenAI error body
             return error_response(exc)
@@ -161,9 +115,7 @@ def openai_router(
     @router.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> Response:
         try:
-            who = caller(request)
-            if who is None:
-                raise OpenAIError("missing or invalid API key", status=401, code="invalid_api_key")
+            who = calls.who(request)
             names = await asyncio.to_thread(backend.models, who)
             if model not in names:
                 # Every name the POST routes accept resolves here too (aliases of the base model, checkpoints).
@@ -180,7 +132,7 @@ def openai_router(
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
-            who, body = await who_and_body(request, ChatCompletionRequest)
+            who, body = await calls.who_and_body(request, ChatCompletionRequest)
             refuse_long_text(_characters(body.messages), "messages")
             tokenizer = backend.tokenizer()
             tools = check_tools(body.tools) if body.tool_choice != "none" else []
@@ -194,16 +146,25 @@ def openai_router(
             request_sampling = sampling(body, prompt_ids, body.token_limit, top, stop_ids)
             if images:
                 request_sampling = dataclasses.replace(request_sampling, images=images)
+            constrained, schema = body.json_schema
+            forced = forced_tool(body.tool_choice, tools)
+            if constrained and forced is not None:
+                raise OpenAIError("response_format and a required tool call cannot both constrain one reply",
+                                  param="tool_choice", hint="leave tool_choice at auto, or drop response_format")
+            if constrained:  # structured outputs: every choice follows the schema (docs/structured-outputs.md)
+                request_sampling = replace(request_sampling, grammar=await calls.grammar(
+                    schema, stop_ids, "response_format.json_schema.schema" if schema else "response_format"))
+                tools = []  # the reply is the JSON document, not a tool call
+            elif forced is not None:  # tool_choice "required" or a named function: one call, enforced
+                request_sampling = replace(request_sampling, grammar=await calls.forced_call(
+                    tools, forced or None, stop_ids, "tools"))
             reply = ChatReply(body, tokenizer, len(prompt_ids), parse_tools=bool(tools))
             if body.stream:
                 streams = await open_streams(backend, who, body.model, [request_sampling])
                 texts = [ChoiceText(tokenizer, request_sampling.stop_strings, stop_ids, top_logprobs=bool(top),
                                     hold_tool_calls=bool(tools)) for _ in range(body.n)]
                 return sse_response(request, chat_chunks(reply, streams, texts), streams, error_body)
-            cancel = Cancellation()
-            choices = await _unless_disconnected(request, sample_call(who, body.model, request_sampling, cancel),
-                                                 [cancel])
-            finished = [finish(tokenizer, c, request_sampling.stop_strings, stop_ids) for c in choices]
+            finished = await calls.finished(request, who, body.model, request_sampling)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return JSONResponse(reply.full(finished))
@@ -211,7 +172,7 @@ def openai_router(
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
-            who, body = await who_and_body(request, CompletionRequest)
+            who, body = await calls.who_and_body(request, CompletionRequest)
             for prompt in body.prompts():
                 refuse_long_text(len(prompt) if isinstance(prompt, str) else 0, "prompt")
             tokenizer = backend.tokenizer()
@@ -236,8 +197,8 @@ def openai_router(
                 return sse_response(request, completion_chunks(reply, streams, texts), streams, error_body)
             # Every prompt at once: the backend batches concurrent requests into one generation.
             cancels = [Cancellation() for _ in requests]
-            results = await _unless_disconnected(request, asyncio.gather(
-                *(sample_call(who, body.model, r, c) for r, c in zip(requests, cancels))), cancels)
+            results = await unless_disconnected(request, asyncio.gather(
+                *(calls.sample_call(who, body.model, r, c) for r, c in zip(requests, cancels))), cancels)
             finished = [finish(tokenizer, c, r.stop_strings, stop_ids) for r, choices in zip(requests, results)
                         for c in choices]
         except Exception as exc:  # noqa: BLE001
@@ -245,32 +206,6 @@ def openai_router(
         return JSONResponse(reply.full(finished))
 
     return router
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T], cancels: list[Cancellation]) -> T:
-    """Await `work`, cancelling its jobs if the client hangs up first: a non-streamed request whose client timed
-    out (and whose `openai` client retries it) must not keep generating for nobody. The jobs end at their next
-    decode step, or never start if still queued; `work` then returns what they have, which nobody reads."""
-
-    async def watch() -> None:  # the body has been read: the next message is the disconnect
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        for cancel in cancels:
-            cancel.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        return await work
-    finally:
-        watcher.cancel()
-
-
-def _temperature(value: float | None) -> float:
-    """OpenAI's default is 1. Below GREEDY_BELOW, sampling is greedy (the engines' rule for every API: dividing
-    logits by a temperature near zero overflows them to inf, and the draw there is the argmax anyway)."""
-    if value is None:
-        return 1.0
-    return 0.0 if value < GREEDY_BELOW else float(value)
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -301,3 +236,17 @@ def _characters(messages: Any) -> int:
 
 def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "tinkerless"}
+
+
+def forced_tool(tool_choice: Any, tools: list[dict]) -> str | None:
+    """None when the reply may be anything; "" when it must be a call of any tool (tool_choice "required"); a
+    function's name when it must call that one (a name that is not in `tools` is a 400)."""
+    if not tools or tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice == "required":
+        return ""
+    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    if tool_choice.get("type") != "function" or not any(t["function"]["name"] == name for t in tools):
+        raise OpenAIError(f"tool_choice {str(tool_choice)[:120]} names no function of tools", param="tool_choice")
+    return name
+

@@ -82,14 +82,36 @@ class ChatCompletionRequest(_Sampling):
     def _chat_supported(self):
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs needs logprobs: true", "top_logprobs")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise FieldError("response_format other than {'type': 'text'} is not supported by this server",
-                             "response_format", "unsupported_parameter")
+        self.json_schema  # a malformed response_format is refused here
         return self
+
+    @property
+    def json_schema(self) -> tuple[bool, dict | None]:
+        """(constrained?, the schema: None for any JSON object) of `response_format`."""
+        return format_schema(self.response_format, "response_format", nested=True)
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def format_schema(form: dict | None, param: str, *, nested: bool) -> tuple[bool, dict | None]:
+    """(constrained?, schema) of a structured-output format: {"type": "text"} (or none) is unconstrained;
+    {"type": "json_object"} is any JSON object; {"type": "json_schema", ...} is its schema, under "json_schema"
+    (Chat Completions, `nested`) or beside "type" (Responses' `text.format`)."""
+    if form is None or form.get("type", "text") == "text":
+        return False, None
+    kind = form.get("type")
+    if kind == "json_object":
+        return True, None
+    if kind != "json_schema":
+        raise FieldError(f"{param}.type {str(kind)[:40]!r} is not one of text, json_object, json_schema", param)
+    holder = form.get("json_schema") if nested else form
+    where = f"{param}.json_schema" if nested else param
+    schema = holder.get("schema") if isinstance(holder, dict) else None
+    if not isinstance(schema, dict):
+        raise FieldError(f"{where}.schema must be a JSON schema object", f"{where}.schema")
+    return True, schema
 
 
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import re
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -128,7 +129,8 @@ class ChoiceText:
     def finished(self) -> FinishedChoice:
         """The choice so far, as `output.finish` makes it of the whole generation (the lists are shared, not copied:
         a chunk's logprobs read a few entries of them each token)."""
-        return FinishedChoice(self.pieces, self.tokens, self.logprobs, self.top, self.drawn, self.reason or "length")
+        return FinishedChoice(self.pieces, self.tokens, self.logprobs, self.top, self.drawn, self.reason or "length",
+                              self.scanner.matched)
 
 
 async def open_streams(backend, who: str, model: str, requests: list[TokenSampling]) -> list[TokenStream]:
@@ -244,9 +246,54 @@ async def completion_chunks(reply: CompletionReply, streams: list[TokenStream],
         yield reply.usage_chunk([c.finished() for c in choices])
 
 
+@dataclass
+class Ending:
+    """How a choice ended, for APIs that send text then tool calls (Messages, Responses): the last text delta
+    (with calls: the content the parse kept, past what was sent), the calls, the finished choice."""
+
+    text: str
+    calls: list[dict]
+    finished: FinishedChoice
+
+
+async def text_then_calls(streams: list[TokenStream], choice: ChoiceText,
+                          parse: Callable[[FinishedChoice], tuple[str | None, list[dict]]]) -> AsyncIterator[str | Ending]:
+    """One choice (n=1) as text deltas while it is drawn, then its `Ending`: the same text, hold-backs and parse as
+    `chat_chunks`, for the APIs whose events are not chat chunks."""
+    async for _, event in _events(streams, 1):
+        choice.add(event)
+        delta, _, _ = choice.take()
+        if not choice.done:
+            if delta:
+                yield delta
+            continue
+        finished = choice.finished()
+        content, calls = parse(finished)
+        if calls:
+            sent = choice.text[: choice.sent - len(delta)]
+            delta = (content or "")[len(sent):] if (content or "").startswith(sent) else ""
+        streams[0].cancel()  # it may still be drawing past a stop string, for nobody
+        yield Ending(delta, calls, finished)
+        return
+    yield Ending("", [], choice.finished())  # a stream that ended without a last token (cancelled before one)
+
+
+def data_frame(chunk: dict) -> bytes:
+    """An OpenAI chat / completions SSE frame: data only."""
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+def named_frame(chunk: dict) -> bytes:
+    """An Anthropic Messages / OpenAI Responses SSE frame: the event named by the chunk's `type`, then its data."""
+    return f"event: {chunk['type']}\ndata: {json.dumps(chunk)}\n\n".encode()
+
+
 def sse_response(request: Request, chunks: AsyncIterator[dict], streams: list[TokenStream],
-                 error_body: Callable[[BaseException], tuple[int, dict]]) -> StreamingResponse:
-    """The SSE reply of `chunks`; the jobs are cancelled when it ends early (the client hung up, an error)."""
+                 error_body: Callable[[BaseException], tuple[int, dict]], *,
+                 frame: Callable[[dict], bytes] = data_frame, trailer: bytes = b"data: [DONE]\n\n") -> StreamingResponse:
+    """The SSE reply of `chunks`, each written by `frame`, then `trailer`; an error after the first byte is an
+    `error` event whose data is `error_body`'s. The jobs are cancelled when it ends early (the client hung up,
+    an error)."""
 
     def cancel() -> None:
         for stream in streams:
@@ -261,8 +308,9 @@ def sse_response(request: Request, chunks: AsyncIterator[dict], streams: list[To
         watcher = asyncio.create_task(watch_disconnect())
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+                yield frame(chunk)
+            if trailer:
+                yield trailer
         except Exception as exc:  # noqa: BLE001 - after the first byte an error can only be an event
             _, error = error_body(exc)
             yield f"event: error\ndata: {json.dumps(error)}\n\n".encode()

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from tinkerless.errors import UserError
 from tinkerless.functions.rollout.agent_loop import TokenCounts, run_episodes
+from tinkerless.functions.rollout.recording import stamp_versions
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.rollout.multi_agent_loop import run_games
 from tinkerless.functions.rollout.rollout_clock import TimedEngine, measure, rollout_clock
@@ -51,14 +52,17 @@ def rollout(
     """`judge(episodes, spec)`: grades the episodes with `request.judge` (the worker's `judge`), after they are
     played, in the same call: the step's verdicts in one batch on the same model."""
     started = time.perf_counter()
-    if request.policy != BASE_POLICY:
-        check_policy(request.policy)
+    # The version of the weights that sample this rollout (a policy cannot change while its rollout runs):
+    # stamped on every sampled token, which the update checks against its staleness bound.
+    version = check_policy(request.policy).version if request.policy != BASE_POLICY else 0
     if request.agent is not None:
         if request.judge is not None:
             raise UserError("a judge grades env/reward episodes; an agent returns its own reward",
                             hint="call the judge from the agent function, or drop judge=")
-        return _agent_rollout(request, started, engine=engine, tokenizer=tokenizer, hosts=hosts, code_cache=code_cache,
-                              vision=vision)
+        result = _agent_rollout(request, started, engine=engine, tokenizer=tokenizer, hosts=hosts,
+                                code_cache=code_cache, vision=vision)
+        stamp_versions(result.episodes, version)
+        return result
     judged: dict = {}
     with rollout_clock() as clock:
         episodes = run_episodes(
@@ -80,6 +84,7 @@ def rollout(
                 raise UserError("this worker runs no judge", hint="drop judge= from the rollout")
             with measure("judge"):
                 judged = judge(episodes, request.judge)
+    stamp_versions(episodes, version)
     sampled = float(sum(e.sampled_tokens() for e in episodes))
     stats = {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats(),
              **judged}
@@ -100,6 +105,10 @@ def _agent_rollout(
                    limits=request.limits, seed=request.seed, timeout=request.agent_timeout)
     stats: dict = {}
     with rollout_clock() as clock:
+        if hosts is not None and getattr(agent, "__tinkerless_loopback__", False):
+            raise UserError("an external agent (tinkerless.external_agent) cannot run on a shared server: tenants' "
+                            "programs run sandboxed there, with no loopback to the worker",
+                            hint="train it with backend='local' or against `tinkerless serve --single-user`")
         if hosts is not None:  # a shared server: the copies run in the tenant's sandbox
             from tinkerless.functions.hosting.hosted_agents import run_hosted_agent_episodes
 
@@ -123,9 +132,10 @@ def rollout_multi(
 ) -> RolloutResult:
     """Multi-agent games; one episode per game and model-played role."""
     started = time.perf_counter()
+    versions: dict[str, int] = {}  # each model-played seat's policy version (stamped on its episodes' tokens)
     for seat in request.seats.values():
         if seat.opponent is None and seat.policy not in (None, BASE_POLICY):
-            check_policy(seat.policy)
+            versions[seat.policy] = check_policy(seat.policy).version
     opponents = {role: load_code(seat.opponent, hosts, code_cache) for role, seat in request.seats.items() if seat.opponent}
     with rollout_clock() as clock:
         episodes = run_games(
@@ -142,6 +152,8 @@ def rollout_multi(
             timeout=request.protocol_timeout,
             counts=(counts := TokenCounts()),
         )
+    for episode in episodes:
+        stamp_versions([episode], versions.get(episode.info.get("policy"), 0))
     sampled = float(sum(e.sampled_tokens() for e in episodes))
     return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started,
                                     **counts.as_stats(), **clock.as_stats()})

@@ -10,5 +10,6 @@
   `device_decode`: several decode steps per host read; `graphed_decode`: decode steps replayed from CUDA graphs;
 - `slicing`: the safe points where a long generation lets other tenants' calls run;
 - `token_stream`: each drawn token to an asyncio reader as it is drawn (and cancellation back);
+- `constraints`: structured outputs, a per-row token mask (a JSON schema, by llguidance) applied before the draw;
 - `vllm_engine`: the same interface over vLLM, on a GPU where it is installed.
 """

@@ -95,7 +95,7 @@ class Batcher:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
         sessions: list[KVSession] | None = None, stream: TokenStream | None = None, top_logprobs: int = 0,
-        row_seeds: list[int] | None = None,
+        row_seeds: list[int] | None = None, constraints: list | None = None,
     ) -> list[Generation]:
         engine = self.engine
         if sessions is not None and len(sessions) != len(prompts):
@@ -105,7 +105,8 @@ class Batcher:
         jobs = [engine.start(prompts[start:end], sampling, seed=seed, first_index=start, policy=policy,
                              sessions=sessions[start:end] if sessions is not None else None,
                              stream=stream, top_logprobs=top_logprobs,
-                             row_seeds=row_seeds[start:end] if row_seeds is not None else None)
+                             row_seeds=row_seeds[start:end] if row_seeds is not None else None,
+                             constraints=constraints[start:end] if constraints is not None else None)
                 for start, end in engine.batches(prompts, sampling.max_tokens)]
         with self._lock:
             self._waiting.extend(_Member(job, policy, job.prompt_width + sampling.max_tokens)

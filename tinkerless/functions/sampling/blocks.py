@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from tinkerless.functions.sampling.device_sampling import DrawSettings, draw_rows
+from tinkerless.functions.sampling.constraints import mask_logits
 from tinkerless.functions.sampling.graphed_decode import PooledCache
 from tinkerless.functions.sampling.kv_cache import growing_cache, stack_left_padded
 
@@ -69,7 +70,9 @@ class _Block:
 def _draw_block(members: list[_Member], logits: torch.Tensor) -> tuple[list[int], list[float]]:
     """Each row's token and its log-prob, in row order: one draw over the whole block, whatever the members'
     settings (they are per-row tensors: `device_sampling.DrawSettings`), each row with the uniform of its own
-    (key, position), so it draws exactly what it would alone. Rows go to Python lists once per block."""
+    (key, position), so it draws exactly what it would alone. Rows go to Python lists once per block. A constrained
+    row's disallowed tokens are masked first (`constraints.mask_logits`), in the same batch."""
+    logits = mask_logits(logits, [c for member in members for c in member.job.row_constraints()])
     picks, picked = draw_rows(logits, block_settings(members, logits.device),
                               torch.tensor([p for m in members for p in m.job.positions()], device=logits.device))
     return picks.tolist(), picked.tolist()

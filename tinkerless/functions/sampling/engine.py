@@ -121,6 +121,7 @@ class GenerationJob:
         stream: TokenStream | None = None,
         top_logprobs: int = 0,
         row_seeds: list[int] | None = None,
+        constraints: list | None = None,
     ):
         if any(not prompt for prompt in prompts):
             raise UserError("a prompt to sample from is empty", hint="send at least one token per prompt")
@@ -140,6 +141,10 @@ class GenerationJob:
             _Row(tuple(keys[i]), list(prompt), session=sessions[i] if sessions is not None and store is not None else None)
             for i, prompt in enumerate(prompts)
         ]
+        if constraints is not None and len(constraints) != len(prompts):
+            raise ValueError(f"{len(constraints)} constraints for {len(prompts)} prompts")
+        # Per row: a `constraints.TokenConstraint` masking what it may draw next, or None (functions/sampling/constraints.py)
+        self.constraints = constraints if constraints is not None and any(c is not None for c in constraints) else None
         self.prompt_width = max((len(p) for p in prompts), default=0)  # KV positions of the longest prompt
         self._active = list(range(len(prompts)))  # job rows still decoding, in batch order
         self._finished: list[int] = []  # the rows active at the last draw
@@ -200,6 +205,10 @@ class GenerationJob:
         """The token position each active row draws next (the count it has drawn), in batch order."""
         return [len(self.rows[r].tokens) for r in self._active]
 
+    def row_constraints(self) -> list:
+        """The active rows' constraints (None for an unconstrained row), in batch order."""
+        return [None] * len(self._active) if self.constraints is None else [self.constraints[r] for r in self._active]
+
     def record(
         self, picks: list[int], picked_logprobs: list[float], tops: list[list[tuple[int, float]]] | None = None,
     ) -> tuple[list[int], list[int]]:
@@ -216,6 +225,8 @@ class GenerationJob:
             row, token = self.rows[r], picks[b]
             row.tokens.append(token)
             row.logprobs.append(picked_logprobs[b])
+            if self.constraints is not None and self.constraints[r] is not None:
+                self.constraints[r].advance(token)
             top = tops[b][: self.top_logprobs] if tops is not None and self.top_logprobs else None
             if top is not None:
                 row.top.append(top)
@@ -292,6 +303,7 @@ class TransformersEngine:
         self, prompts: list[list[int]], sampling: SamplingParams, *, seed: int, first_index: int = 0,
         sessions: list[KVSession] | None = None, policy: str | None = None,
         stream: TokenStream | None = None, top_logprobs: int = 0, row_seeds: list[int] | None = None,
+        constraints: list | None = None,
     ) -> GenerationJob:
         """A job for `prompts`, whose rows are rows first_index.. of a request seeded with `seed` (or seeded
         with `row_seeds`, one each); with `sessions`, rows continue their conversations' kept caches (computed
@@ -301,7 +313,7 @@ class TransformersEngine:
                              device=self.device, sessions=sessions if use_sessions else None,
                              store=self.sessions if use_sessions else None,
                              weights=self.weights_tag(policy) if use_sessions else None,
-                             stream=stream, top_logprobs=top_logprobs, row_seeds=row_seeds)
+                             stream=stream, top_logprobs=top_logprobs, row_seeds=row_seeds, constraints=constraints)
 
     def weights_tag(self, policy: str | None) -> object:
         """What identifies the weights `policy` samples with now: its adapter and the storage and in-place
@@ -335,11 +347,11 @@ class TransformersEngine:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, *, policy: str | None, seed: int,
         sessions: list[KVSession] | None = None, stream: TokenStream | None = None, top_logprobs: int = 0,
-        row_seeds: list[int] | None = None,
+        row_seeds: list[int] | None = None, constraints: list | None = None,
     ) -> list[Generation]:
         """Sample, in one batch with every other generate call running at the time (`batcher`). With `stream`,
         every token goes to it as it is drawn (and cancelling it ends the rows); with `top_logprobs` k, each token
         also carries the k most likely tokens of the distribution it was drawn from. Row i draws from
         `row_seed(seed, i)`, or from `row_seeds[i]` when given (rows gathered from separate calls)."""
         return self.batcher.generate(prompts, sampling, policy=policy, seed=seed, sessions=sessions, stream=stream,
-                                     top_logprobs=top_logprobs, row_seeds=row_seeds)
+                                     top_logprobs=top_logprobs, row_seeds=row_seeds, constraints=constraints)

@@ -104,8 +104,12 @@ class TrainingClient:
     def optim_step(self, adam: AdamParams | None = None) -> OptimStepResult:
         return call(self.backend, "optim_step", OptimStepRequest(self.remote(self.policy), adam or AdamParams()))
 
-    def update(self, data: list[Datum], loss: LossConfig | str, adam: AdamParams | None = None) -> UpdateResult:
-        request = UpdateRequest(self.remote(self.policy), data, _loss(loss), adam or AdamParams())
+    def update(self, data: list[Datum], loss: LossConfig | str, adam: AdamParams | None = None, *,
+               max_staleness: int | None = None) -> UpdateResult:
+        """forward_backward + optim_step; with `max_staleness`, the worker first checks that every token carrying its
+        sampled version (`Datum.sampled_versions`) is at most that many versions behind the policy."""
+        request = UpdateRequest(self.remote(self.policy), data, _loss(loss), adam or AdamParams(),
+                                max_staleness=max_staleness)
         return call(self.backend, "update", request)
 
     def save_state(self, include_optimizer: bool = True) -> PolicyState:

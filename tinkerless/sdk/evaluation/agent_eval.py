@@ -25,6 +25,7 @@ import httpx
 
 from tinkerless.errors import ConfigError, TinkerlessError, UserError
 from tinkerless.envs.decorators import agent_reward
+from tinkerless.functions.hosting.clients import register
 from tinkerless.sdk.run.tasks import TaskSource
 
 POLICY_MODEL = "policy"  # the name agents use for the trained policy (tinkerless.functions.hosting.agent_functions)
@@ -98,7 +99,8 @@ class _RenamingTransport(httpx.AsyncBaseTransport):
                 reply = {"status": response.status_code}
             calls = self.calls_of()
             if calls is not None:
-                calls.append({"request": {k: body.get(k) for k in ("model", "messages", "prompt", "tools") if k in body},
+                keys = ("model", "system", "instructions", "messages", "input", "prompt", "tools")
+                calls.append({"request": {k: body.get(k) for k in keys if k in body},
                               "reply": reply.get("choices") if isinstance(reply, dict) and "choices" in reply else reply})
         return response
 
@@ -116,6 +118,7 @@ async def _run(agent: Callable, tasks: list[dict], endpoint: str, model: str, ap
     transport = _RenamingTransport(httpx.AsyncHTTPTransport(), model, current.get)
     http_client = httpx.AsyncClient(transport=transport, timeout=timeout)
     client = openai.AsyncOpenAI(api_key=api_key, base_url=endpoint, http_client=http_client, max_retries=2)
+    register(client, http_client)  # tinkerless.anthropic_client(client) sends through the renaming transport too
     gate = asyncio.Semaphore(concurrency)
     name = getattr(agent, "__qualname__", "agent")
 

@@ -82,6 +82,7 @@ def datums(episodes: list[Episode], advantage_config: AdvantageConfig,
                     advantages=token_advantages,
                     sampler_logprobs=sequence.sampler_logprobs,
                     images=list(sequence.images) or None,  # a vision-language episode's images, in token order
+                    sampled_versions=sequence.sampled_versions,  # checked against max_staleness at the update
                 )
             )
     return data

@@ -92,4 +92,8 @@ def agent_result_metrics(episodes: list[Episode]) -> dict[str, float]:
         if episode.status != "error":
             for name, value in (episode.info.get("agent_metrics") or {}).items():
                 values.setdefault(name, []).append(float(value))
-    return {f"agent/{name}": mean(column) for name, column in values.items()}
+    out = {f"agent/{name}": mean(column) for name, column in values.items()}
+    drift = [e.info["render_drift_turns"] for e in episodes if "render_drift_turns" in e.info]
+    if drift:  # agent functions' calls whose prompt re-rendered an earlier reply otherwise (recording.py)
+        out["render_drift_turns"] = float(sum(drift))
+    return out

@@ -422,7 +422,7 @@ class _Run:
         t = time.perf_counter()
         adam = AdamParams(learning_rate=config.learning_rate, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
         with self.usage.phase("update"):
-            update = client.update(data, loss, adam)
+            update = client.update(data, loss, adam, max_staleness=config.max_staleness)  # checked per token
         timings["update_s"] += time.perf_counter() - t
         self._versions[client.policy] = update.policy_version
         return {**update.metrics, "trained_sequences": len(data)}, update.policy_version

@@ -190,12 +190,15 @@ class ServeBackend:
         kind, target = await asyncio.to_thread(self._resolve, caller, model)
         seed = secrets.randbelow(2**31) if request.seed is None else request.seed % (1 << 63)
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
-                                  top_p=request.top_p, top_k=0, stop_token_ids=list(request.stop_token_ids))
+                                  top_p=request.top_p, top_k=request.top_k, stop_token_ids=list(request.stop_token_ids))
         files = None
         if kind == "adapter" and not self.adapters.cached(target):  # read off the scheduler thread
             files = await asyncio.to_thread(self.names.load_files, target)
         engine = self.worker.engine
         streams = hasattr(engine, "batcher")  # the transformers engine: tokens (and top logprobs) as drawn
+        if request.grammar is not None and not streams:
+            raise OpenAIError("structured outputs need the transformers engine (its sampler applies the token "
+                              "masks); this server runs another", param="response_format", code="unsupported_parameter")
 
         def run() -> list[SampledChoice]:
             if stream is not None and stream.cancelled:  # its client hung up while it was queued
@@ -213,8 +216,10 @@ class ServeBackend:
                         [VisionPrompt(p, list(request.images)) for p in prompts], sampling, policy=slot, seed=seed)
                     top = [None] * len(generations)
                 elif streams:
+                    constraints = None if request.grammar is None else \
+                        [request.grammar.constraint() for _ in range(request.n)]
                     generations = engine.generate(prompts, sampling, policy=slot, seed=seed, stream=stream,
-                                                  top_logprobs=request.top_logprobs)
+                                                  top_logprobs=request.top_logprobs, constraints=constraints)
                     top = [g.top_logprobs for g in generations]
                 else:
                     generations = engine.generate(prompts, sampling, policy=slot, seed=seed)
