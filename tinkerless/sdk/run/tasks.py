@@ -55,6 +55,10 @@ class TaskSource:
             raise DatasetError(f"tasks is a {type(tasks).__name__}, which is not a form of tasks", hint=TASK_FORMS)
         if self._static is not None and not self._static:
             raise DatasetError("the task dataset is empty", hint="give at least one task")
+        # A source that follows the run (a curriculum): `restart()` now, `observe_step(record)` after every step.
+        self.follower = tasks if callable(getattr(tasks, "observe_step", None)) else None
+        if self.follower is not None and callable(getattr(self.follower, "restart", None)):
+            self.follower.restart()
         self.task(0)  # the first task is checked now, before anything expensive starts
 
     def _from_callable(self, tasks: Callable) -> None:
@@ -111,6 +115,26 @@ class TaskSource:
         for index in [i for i in self._made if i < cursor]:  # the cursor only moves on: keep what is still ahead
             del self._made[index]
         return [self.task(cursor + i) for i in range(size)], cursor + size
+
+    def observe_step(self, record: dict) -> dict:
+        """Tell a source that follows the run how a step went; the columns it adds to the step's record."""
+        if self.follower is None:
+            return {}
+        columns = self.follower.observe_step(dict(record))
+        if not isinstance(columns, dict):
+            raise DatasetError(f"{_name(self.follower)}.observe_step returned {type(columns).__name__}, not a dict of columns")
+        return columns
+
+    def replay(self, records: list[dict]) -> None:
+        """A resumed run: the follower starts over and sees the kept steps again, so it is where it was at the
+        checkpoint (its state is a function of the steps' records); tasks it made before are made again."""
+        if self.follower is None:
+            return
+        if callable(getattr(self.follower, "restart", None)):
+            self.follower.restart()
+        for record in records:
+            self.follower.observe_step(dict(record))
+        self._made.clear()
 
     def checked_sample(self, count: int) -> list[tuple[str, dict]]:
         """Tasks to check before a run starts: every static task, or the first `count` of a function or stream."""

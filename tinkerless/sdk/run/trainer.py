@@ -199,6 +199,7 @@ class _Run:
         self.coordinator.reset_to_checkpoint(self.step, self.config.summary())
         self.metrics.truncate_after(self.step - 1)
         self.transcripts.truncate_after(self.step - 1)
+        self.tasks.replay([r for r in read_metrics(self.run_dir / "metrics.jsonl") if "step" in r])  # a curriculum's level
         self._say(f"run {self.run_id}: resumed from checkpoint step-{self.step}")
 
     def _warm_start(self) -> None:
@@ -223,6 +224,7 @@ class _Run:
                 held_out = self._held_out_eval() if config.eval_every and self.step % config.eval_every == 0 else {}
                 record, policy_versions = self._train_step()
                 record.update(held_out)
+                record.update(self.tasks.observe_step(record))  # a task source that follows the run (a curriculum)
                 with uninterrupted():
                     checkpoint_s += self.checkpoints.finish(wait=False)  # committed by now, as a rule
                 record["storage_s"] += checkpoint_s
