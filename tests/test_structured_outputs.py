@@ -79,6 +79,28 @@ def test_every_choice_of_every_api_parses_against_its_schema(server, schema):
     jsonschema.validate(json.loads(message.content[0].text), schema)
 
 
+def test_constrained_rows_keep_their_grammar_where_the_engine_decodes_several_steps_per_host_read(server):
+    """A GPU decodes `decode_steps` tokens per host read (sampling/device_decode.py), but a grammar's mask needs the
+    host after every token: a block holding a constrained row stays on the one-step loop, so its rows still parse,
+    and unconstrained requests beside them decode as before."""
+    url, app, worker = server
+    client = openai_client(url, KEY)
+    batcher = worker.engine.batcher
+    saved, batcher.decode_steps = batcher.decode_steps, 4
+    try:
+        chat = client.chat.completions.create(
+            model=base(app), messages=ASK, max_tokens=200, n=3, seed=11, temperature=1.0,
+            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMAS[0]}})
+        plain = client.chat.completions.create(model=base(app), messages=ASK, max_tokens=12, n=2, seed=11)
+    finally:
+        batcher.decode_steps = saved
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMAS[0])
+    again = client.chat.completions.create(model=base(app), messages=ASK, max_tokens=12, n=2, seed=11)
+    assert [c.message.content for c in plain.choices] == [c.message.content for c in again.choices]
+
+
 def test_json_object_and_the_log_probs_of_constrained_tokens(server):
     url, app, worker = server
     client = openai_client(url, KEY)

@@ -145,6 +145,9 @@ class GenerationJob:
             raise ValueError(f"{len(constraints)} constraints for {len(prompts)} prompts")
         # Per row: a `constraints.TokenConstraint` masking what it may draw next, or None (functions/sampling/constraints.py)
         self.constraints = constraints if constraints is not None and any(c is not None for c in constraints) else None
+        # A constrained row's mask depends on its last token (the grammar's host-side state): its block draws one
+        # token per host step (`device_decode` keeps such blocks on the one-step loop).
+        self.needs_host_each_step = self.constraints is not None
         self.prompt_width = max((len(p) for p in prompts), default=0)  # KV positions of the longest prompt
         self._active = list(range(len(prompts)))  # job rows still decoding, in batch order
         self._finished: list[int] = []  # the rows active at the last draw

@@ -1,7 +1,8 @@
 """Sampling from a vision-language policy: image embeddings merged in the prefill, then a plain decode loop.
 
-Every token is drawn by `engine.draw_rows` (the text engine's own draw: the untempered log-prob recorded, row i
-from its own generator seeded by `row_seed(seed, i)`), so image episodes keep the text path's guarantees.
+Every token is drawn by `device_sampling.draw_rows` (the text engine's own draw: the untempered log-prob recorded,
+row i's uniform a hash of `row_seed(seed, i)` and its token position), so image episodes keep the text path's
+guarantees.
 
 - Rows of one prompt with no kept cache (a task's group) prefill once and decode together.
 - A conversation that continues keeps its KV cache in a `VisionSession`: its next turn prefills only the tokens
@@ -18,14 +19,14 @@ from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from tinkerless.errors import UserError
-from tinkerless.functions.sampling.engine import Generation, draw_rows, row_seed
+from tinkerless.functions.sampling.device_sampling import DrawSettings, draw_rows, row_keys
+from tinkerless.functions.sampling.engine import Generation, row_seed
 from tinkerless.functions.vision.inputs import (encode_images, merged_embeddings, placeholder_ids, position_ids,
                                                without_placeholders)
 from tinkerless.wire.content import VisionInput
-from tinkerless.wire.messages import GREEDY_BELOW, SamplingParams
+from tinkerless.wire.messages import SamplingParams
 
 
 @dataclass
@@ -108,8 +109,8 @@ class VisionSampler:
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits = logits.expand(n, -1)
-        generators = [torch.Generator().manual_seed(row_seed(seed, r)) for r in rows]
-        warpers = _warpers(sampling)
+        # The text engine's draw: row r's uniform is a function of (its seed, its token position) only.
+        settings = DrawSettings.of(row_keys([row_seed(seed, r) for r in rows]), [sampling] * n, logits.device)
         stop = set(self.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids)
         drawn: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]
@@ -118,7 +119,7 @@ class VisionSampler:
                          torch.tensor([len(tokens) - 1], device=device))
         step = 0
         while step < sampling.max_tokens and any(r is None for r in reasons):
-            picks, picked = draw_rows(logits, sampling.temperature, generators, warpers)
+            picks, picked = draw_rows(logits, settings, torch.full((n,), step, dtype=torch.long, device=logits.device))
             picks_list, picked_list = picks.tolist(), picked.tolist()
             for b in range(n):
                 if reasons[b] is not None:
@@ -156,15 +157,4 @@ def _images_after(tokens: list[int], images: list[VisionInput], start: int, imag
         if skipped >= before:
             out.append(image)
         skipped += image.num_tokens
-    return out
-
-
-def _warpers(sampling: SamplingParams) -> list:
-    if sampling.temperature < GREEDY_BELOW:
-        return []
-    out = []
-    if sampling.top_k and sampling.top_k > 0:
-        out.append(TopKLogitsWarper(sampling.top_k))
-    if sampling.top_p < 1.0:
-        out.append(TopPLogitsWarper(sampling.top_p))
     return out
