@@ -354,6 +354,7 @@ def solo_batcher(job: GenerationJob) -> Batcher:
     """A private batcher that runs `job` alone with the model its caller activated (`GenerationJob.advance`)."""
     engine = _SoloEngine(job.device)
     batcher = Batcher(engine)  # type: ignore[arg-type]
+    batcher.decode_steps = 1  # `advance` is one step
     batcher._waiting.append(_Member(job, None, job.prompt_width + job.sampling.max_tokens))
     return batcher
 
