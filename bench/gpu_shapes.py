@@ -342,7 +342,7 @@ def peft_update(model_dir: str, shape: str, args, update_batch: int) -> list[dic
 
 
 def bound_fractions(row: dict, shape: str, device: str) -> dict:
-    if not device.startswith("cuda") or not row.get("tokens_per_s") or "RL step" in row["what"]:
+    if not device.startswith("cuda") or not row.get("tokens_per_s") or "step" in row["what"]:
         return {}
     name = torch.cuda.get_device_name(0)
     bound = next((v for k, v in BOUNDS.items() if k in name), None)

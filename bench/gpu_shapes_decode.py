@@ -11,7 +11,8 @@ On the `--extras` shape (1.7B by default), in the same process and device as the
   included) and steady call, each.
 - `mixed_adapters`: `--batch` rows split over 4 policies in one block, against the same rows of one policy.
 - `rl_step`: the whole local RL step at the worker level (sample `--batch` x `--new-tokens`, forward_backward,
-  optim_step), three steps: the first and the steady ones.
+  optim_step), three steps: the first and the steady ones;
+- `local_train_step`: the same through `tinkerless.train` (the SDK's rollout, update and metrics), three steps.
 """
 
 from __future__ import annotations
@@ -211,4 +212,31 @@ def rl_step(model_dir: str, shape: str, args, update_batch: int, steps: int = 3)
              "steady_step_s": min(times[1:] or times), "sample_update_s": parts, "logprob_gap": gaps}]
 
 
-MEASURES = (decode_exactness, decode_speed, mixed_adapters, rl_step)
+def local_train_step(model_dir: str, shape: str, args, update_batch: int, steps: int = 3) -> list[dict]:
+    """The whole local `tinkerless.train` step (rollout through the SDK, update, metrics: `step_s`, without the one
+    checkpoint at the end): `--batch` episodes of up to `--new-tokens` tokens (groups of 4, random rewards), the
+    first step and the steady ones."""
+    import random
+    import tempfile
+
+    import tinkerless
+
+    def make_task(rng):
+        return {"prompt": f"Say something about the number {rng.randint(0, 999)}."}
+
+    def reward(completion: str, task: dict) -> float:
+        return random.Random(completion).random()  # random weights: any reward, as long as groups differ
+
+    with tempfile.TemporaryDirectory() as storage:
+        result = tinkerless.train(model=model_dir, reward=reward, tasks=make_task, steps=steps,
+                                  batch_size=max(1, args.batch // 4), group_size=4, max_tokens=args.new_tokens,
+                                  temperature=1.0, learning_rate=1e-5, storage=storage, checkpoint_every=1000,
+                                  progress=False, seed=0)
+    times = [r["step_s"] for r in result.metrics]
+    tokens = [int(r.get("sampled_tokens", 0)) for r in result.metrics]
+    return [{"shape": shape, "dtype": args.dtype, "what": f"local train() step, {args.batch} episodes",
+             "tokens_per_s": tokens[-1] / times[-1] if times[-1] else 0.0, "first_step_s": times[0],
+             "steady_step_s": min(times[1:] or times), "step_s": times, "sampled_tokens": tokens}]
+
+
+MEASURES = (decode_exactness, decode_speed, mixed_adapters, rl_step, local_train_step)

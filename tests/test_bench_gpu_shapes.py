@@ -75,3 +75,5 @@ def test_issue_36s_measurements_run_and_the_device_decode_passes_its_exactness_c
     assert mixed["tokens_per_s"] > 0 and mixed["mixed_over_one"] > 0
     step = measured["whole RL step, 4 x 7 tokens"]
     assert step["first_step_s"] > 0 and step["steady_step_s"] > 0 and len(step["logprob_gap"]) == 3
+    train = measured["local train() step, 4 episodes"]
+    assert len(train["step_s"]) == 3 and train["steady_step_s"] > 0 and all(t > 0 for t in train["sampled_tokens"])

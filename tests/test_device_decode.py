@@ -180,6 +180,21 @@ def test_one_adapter_through_the_stacked_path_draws_its_own_tokens(worker, monke
     assert any(adapter == "mixed:pb" for adapter, _, _ in last_decoder[0]._graphs)
 
 
+def test_a_job_that_needs_the_host_each_step_keeps_its_block_on_the_one_step_loop(worker):
+    outliving = SamplingParams(max_tokens=40, temperature=1.0, stop_token_ids=[])  # in the block to the end
+    jobs = [worker.engine.start(PROMPTS[:3], SETTINGS[0], seed=1, policy="pa"),
+            worker.engine.start(PROMPTS[3:5], outliving, seed=2, policy="pa")]
+    jobs[1].needs_host_each_step = True  # e.g. a grammar that masks each step's logits
+    batcher = worker.engine.batcher
+    chunks = batcher.chunks
+    batcher.decode_steps = 4
+    try:
+        drive(batcher, [_Member(j, "pa", j.prompt_width + 40) for j in jobs])
+    finally:
+        batcher.decode_steps = 1
+    assert batcher.chunks == chunks and all(j.done for j in jobs)
+
+
 def test_top_logprobs_come_from_the_chunks_as_from_single_steps(worker):
     sampling = SamplingParams(max_tokens=11, temperature=0.9, top_p=0.95)
     want = run(worker, lambda: worker.engine.generate(PROMPTS[:6], sampling, policy="pb", seed=4, top_logprobs=3), 1)

@@ -90,8 +90,9 @@ def test_rows_that_stop_leave_their_slots_and_live_rows_move_to_a_smaller_bucket
 
 
 def test_a_graph_attends_over_the_live_width_not_the_whole_pool(worker):
-    """After a long call grew the pool, a short call's graphs read only its live width (rounded up to 128), and
-    a block whose width crosses 128 moves to the next span; the tokens are the eager ones."""
+    """After a long call grew the pool, a short call's graphs read only its live width (rounded up to a power of
+    two from 128, at most the pool), and a block whose width crosses a span moves to the next; the tokens are the
+    eager ones."""
     long = SamplingParams(max_tokens=260, temperature=1.0, stop_token_ids=[])
     short = SamplingParams(max_tokens=20, temperature=0.8, top_k=20)
     replays_by_span: list = []  # the graphed run's graphs after the long call, then the short call's replays
@@ -111,7 +112,7 @@ def test_a_graph_attends_over_the_live_width_not_the_whole_pool(worker):
     for got, want in zip(graphed, eager):
         assert_same(got, want)
     after_long = replays_by_span[0]
-    assert decoder.pool.positions == 384 and {span for _, _, span in after_long} == {128, 256, 384}
+    assert decoder.pool.positions == 384 and {span for _, _, span in after_long} == {128, 256, 384}  # 384: the pool
     assert replays_by_span[1] > 0
     assert {span for _, _, span in set(decoder._graphs) - after_long} <= {128}, "the short call reads 128 positions"
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tinkerless.functions.sampling.blocks import _assemble, _Block, _draw_block, _Member, _replicate, _top_block
-from tinkerless.functions.sampling.device_decode import default_steps, run_chunk
+from tinkerless.functions.sampling.device_decode import default_steps, eligible, run_chunk
 from tinkerless.functions.sampling.graphed_decode import PooledCache
 from tinkerless.functions.sampling.kv_cache import KVSession, growing_cache, length_buckets, row_layers, stack_left_padded
 from tinkerless.functions.sampling.multi_lora import StackedAdapters, grouped_single
@@ -263,7 +263,7 @@ class Batcher:
     def _forward(self, block: _Block) -> _Block | None:
         """One decode step over the running block, one token drawn per row (or `decode_steps` of them with one
         host read: `device_decode`); finished rows leave. None when no row is left."""
-        if self.decode_steps > 1:
+        if self.decode_steps > 1 and eligible(block):
             return run_chunk(self, block, self.decode_steps, self._logits)
         logits = self._logits(block, [m.policy for m in block.members for _ in range(m.job.active_rows)])
         self.decoded_tokens += block.input.shape[0]
@@ -355,6 +355,7 @@ def solo_batcher(job: GenerationJob) -> Batcher:
     """A private batcher that runs `job` alone with the model its caller activated (`GenerationJob.advance`)."""
     engine = _SoloEngine(job.device)
     batcher = Batcher(engine)  # type: ignore[arg-type]
+    batcher.decode_steps = 1  # `advance` is one step
     batcher._waiting.append(_Member(job, None, job.prompt_width + job.sampling.max_tokens))
     return batcher
 

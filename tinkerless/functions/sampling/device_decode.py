@@ -16,6 +16,10 @@ of a block with no host read in between:
   exactly as the one-step loop would have (streams receive them then), finished rows leave, and the block
   carries on (or takes joining rows at the batcher's next step).
 
+A job whose draws need the host between steps (a logits processor over the tokens drawn so far, such as a
+structured-output grammar) says so with a true `needs_host_each_step` attribute: a block holding one runs the
+one-step loop (`eligible`).
+
 What it costs: a row that stops mid-chunk is computed until the chunk ends (at most steps-1 wasted
 forwards of its row), and rows waiting to join wait up to a chunk. `steps` is the batcher's
 `decode_steps` (TINKERLESS_DECODE_STEPS; 8 on CUDA, 1, the one-step loop, elsewhere): what a GPU gains
@@ -46,6 +50,11 @@ def default_steps(device: torch.device) -> int:
     if configured:
         return max(1, int(configured))
     return CUDA_STEPS if device.type == "cuda" else 1
+
+
+def eligible(block: _Block) -> bool:
+    """Whether every job of the block can draw several steps without the host (see the module docstring)."""
+    return not any(getattr(m.job, "needs_host_each_step", False) for m in block.members)
 
 
 def run_chunk(batcher: Batcher, block: _Block, steps: int, logits_of) -> _Block | None:

@@ -6,7 +6,8 @@ one call. A graph replays fixed addresses and shapes, so a block decoded this wa
 values in a `DecodePool`: per layer, buffers of a fixed number of rows (`bucket`s of 1, 2, 4, 8, 16,
 24, 32, 48, 64, ... rows) and a fixed number of positions, with fixed input, position and mask tensors
 that each step fills before the replay. A graph is captured once per (policy, bucket, span) over the pool (the
-span: the positions it attends over, the block's live width rounded up to 128, not the pool's whole width) and
+span: the positions it attends over, the block's live width rounded up to a power of two from 128, not the pool's
+whole width) and
 replayed on every later step and call of that shape, until the pool is outgrown or the policy's weights
 move to new storage (an optimizer step writes in place, so the graph sees it; a load that swaps
 tensors, or a deleted and re-made adapter, is caught before the replay and recaptured).
@@ -53,6 +54,15 @@ POOL_MEMORY_SHARE = 0.25
 def bucket(rows: int) -> int:
     """The smallest graph bucket holding `rows` rows."""
     return next((b for b in BUCKETS if b >= rows), -(-rows // 128) * 128)
+
+
+def attention_span(width: int) -> int:
+    """The positions a graph over a block of `width` reads: the next power of two from POSITION_STEP on (at most
+    twice the live width, and few spans to capture: a pool of 2048 positions has 5)."""
+    span = POSITION_STEP
+    while span < width:
+        span *= 2
+    return span
 
 
 def graphed_decoder(model, device: torch.device) -> "GraphedDecoder | None":
@@ -233,7 +243,7 @@ class GraphedDecoder:
         pool.mask[:, 0, 0, :width].index_copy_(0, index, block.attention.bool())
         pool.column.fill_(width - 1)
         rows = bucket(max(cache.slots) + 1)
-        span = min(pool.positions, -(-width // POSITION_STEP) * POSITION_STEP)  # attend over the live width only
+        span = min(pool.positions, attention_span(width))  # attend over the live width only
         multi = None
         if mixed is not None:
             multi, names = mixed
