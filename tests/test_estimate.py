@@ -43,6 +43,15 @@ def test_the_cpu_estimate_is_close_to_the_run_it_estimates(tiny_model, tmp_path)
     assert f"beside actual {actual:.1f} s on cpu" in found.beside(result.usage)
 
 
+def test_a_finished_runs_report_puts_the_estimate_beside_the_actual(tiny_model, tmp_path, capsys):
+    result = tinkerless.train(_config(tiny_model, tmp_path, steps=4))
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("estimate:"))
+    assert "from its first 2 steps" in line and f"beside actual {result.usage['compute_seconds_total']:.1f} s" in line
+    # A run too short to extrapolate says nothing of it.
+    tinkerless.train(_config(tiny_model, tmp_path / "short", steps=2))
+    assert "estimate:" not in capsys.readouterr().out
+
+
 def test_dry_run_trains_nothing_and_returns_the_estimate(tiny_model, tmp_path, capsys):
     found = tinkerless.train(_config(tiny_model, tmp_path, steps=2), dry_run=True)
     assert isinstance(found, RunEstimate) and found.for_device("cpu") is not None and found.for_device("H100") is not None

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 import tinkerless
-from tinkerless.errors import RemoteError, UserError
+from tinkerless.errors import RemoteError, ServerUnreachable, UserError
 from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.sdk.backends.server_runs import ServerRunHost
 from tinkerless.server import create_app
@@ -75,10 +75,11 @@ def test_a_server_dying_mid_call_names_that_call_not_finish(tiny_model, tmp_path
 
         killer = threading.Thread(target=kill_when_rolling_out, daemon=True)
         killer.start()
-        with pytest.raises(RemoteError) as info:
+        with pytest.raises(ServerUnreachable) as info:  # reconnect_timeout=0: no waiting for it to come back
             tinkerless.train(
                 model=tiny_model, name="dies", reward=slow_reward, tasks=[{"prompt": "hi"}], steps=1, batch_size=1,
                 group_size=2, max_tokens=2, storage=str(tmp_path / "client"), progress=False, backend=HTTPBackend(url),
+                reconnect_timeout=0,
             )
         killer.join(timeout=10)
     finally:

@@ -169,6 +169,15 @@ class RemoteError(TinkerlessError):
         super().__init__(message, hint=hint)
 
 
+class ServerUnreachable(InfrastructureFailure, RemoteError):
+    """The tinkerless server cannot be reached, or its connection broke mid-call (it died or is restarting). A run
+    through it waits for it to come back and resumes from its last checkpoint (`TrainConfig.reconnect_timeout`).
+    Still a `RemoteError`, as a lost server was before."""
+
+    def __init__(self, message: str, *, cause: str = "server_unreachable", hint: str | None = None):
+        super().__init__(message, cause=cause, hint=hint)
+
+
 def error_class_for(name: str) -> type[TinkerlessError] | None:
     """Map an error class name received over the wire back to its class."""
     cls = globals().get(name)

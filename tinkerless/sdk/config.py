@@ -119,6 +119,7 @@ class TrainConfig:
     checkpoint_every: int = 5
     keep_checkpoints: int | None = 3
     on_env_error: str = "skip"  # skip | raise
+    reconnect_timeout: float = 300.0  # seconds a run waits for a server that died or restarted before it gives up
     infra_retries: int = 2  # times an episode that failed for an infrastructure reason is played again before it is dropped
     micro_batch_size: int = 16
     progress: bool = True
@@ -155,6 +156,10 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be an integer (at least 1), got {value!r}")
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        wait = self.reconnect_timeout
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 86400:
+            raise ConfigError(f"reconnect_timeout must be a number of seconds from 0 to 86400, got {wait!r}",
+                              hint="0: a run through a server fails at once when the server goes away")
         retries = self.infra_retries
         if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or not 0 <= retries <= 10:
             raise ConfigError(f"infra_retries must be a whole number from 0 to 10, got {retries!r}",

@@ -89,6 +89,9 @@ FIELD_DOCS: dict[str, str] = {
     "keep_checkpoints": "How many newest checkpoints to keep; None keeps all.",
     "on_env_error": "`skip`: an episode whose env or reward raised is dropped (its traceback goes into "
     "metrics.jsonl); `raise`: the run stops.",
+    "reconnect_timeout": "A run through a `tinkerless serve` whose server died or restarted waits up to this many "
+    "seconds for it to answer again (backoff from 0.5 s to 5 s), then resumes from its last checkpoint on a fresh "
+    "call stream, ending exactly as an uninterrupted run (docs/errors.md). 0: it fails at once.",
     "infra_retries": "How many times an episode that failed for an infrastructure reason (its env server, judge, "
     "sandbox or hosted agent failed: an `InfrastructureFailure`) is played again; one that still fails is dropped "
     "from its group, whose advantages are computed over the episodes left, and counted as `episodes_infra_failed` "

@@ -11,13 +11,15 @@ When the call ends, `settle` replaces the reservation by what it really cost (it
 
 So concurrent calls of one key share one budget: all of them reserve first, and the key overspends only by
 what its running calls cost beyond their reservations, at most about one call's worth. What each key spent
-is kept in the server's storage (`server/key_usage.json`), so a restarted server goes on counting.
+is kept in the server's storage (`server/key_usage.json`, written within a second of a call), so a restarted
+server goes on counting (a crash loses at most the last second's spending).
 """
 
 from __future__ import annotations
 
 import contextvars
 import json
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -26,8 +28,10 @@ from tinkerless.errors import BudgetExceeded, StorageNotFound
 from tinkerless.server.keys import KeyStore
 from tinkerless.storage import ObjectStore
 
+logger = logging.getLogger(__name__)
 USAGE_FILE = "server/key_usage.json"
 FIRST_CALL_SECONDS = 1.0  # a kind of call never seen on this server is expected to take this long
+PERSIST_SECONDS = 1.0  # spending reaches the server's storage this long after a call at most
 MARGIN = 1.5  # a call is expected to take up to this many times the longest call of its kind seen so far
 
 # The key of the request being handled (its id), set where the request's key is checked (`app.tenant_of`).
@@ -50,6 +54,7 @@ class KeyBudgets:
         self._lock = threading.Lock()
         self._reserved: dict[str, float] = {}
         self._running: dict[str, int] = {}  # calls reserved and not settled, per key
+        self._flush_timer: threading.Timer | None = None
         self._longest: dict[str, float] = {}  # seconds of the longest call of each kind
         try:
             loaded = json.loads(self.store.get(USAGE_FILE))
@@ -97,6 +102,21 @@ class KeyBudgets:
             usage["compute_seconds"] = float(usage.get("compute_seconds", 0.0)) + seconds
             usage["calls"] = int(usage.get("calls", 0)) + 1
             self._longest[reservation.kind] = max(self._longest.get(reservation.kind, 0.0), seconds)
+            if self._flush_timer is None:  # written within PERSIST_SECONDS, not on every call (storage may be S3)
+                self._flush_timer = threading.Timer(PERSIST_SECONDS, self._flush_logged)
+                self._flush_timer.daemon = True
+                self._flush_timer.start()
+
+    def _flush_logged(self) -> None:
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001 - storage failed: the totals stay in memory, written with the next call's
+            logger.warning("could not write the keys' spending to %s", USAGE_FILE, exc_info=True)
+
+    def flush(self) -> None:
+        """Write what every key spent to the server's storage (at most PERSIST_SECONDS after a call settled)."""
+        with self._lock:
+            self._flush_timer = None
             snapshot = json.dumps(self._spent, indent=1).encode()
             self.store.put(USAGE_FILE, snapshot)  # under the lock: the file never goes back to an older total
 

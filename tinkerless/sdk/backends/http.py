@@ -27,7 +27,7 @@ import uuid
 
 import httpx
 
-from tinkerless.errors import RemoteError, ServerBusy
+from tinkerless.errors import RemoteError, ServerBusy, ServerUnreachable
 from tinkerless.sdk.run.accounting import UsageMeter
 from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, QUEUE_SECONDS_HEADER, SEQ_HEADER, STREAM_HEADER
 
@@ -116,16 +116,17 @@ class HTTPBackend:
         try:
             return self._client.post(path, content=payload, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise _remote_error(f"{method} failed: cannot reach the tinkerless server at {self.base_url} ({exc})", _START_HINT) from exc
+            raise ServerUnreachable(f"{method} failed: cannot reach the tinkerless server at {self.base_url} ({exc})",
+                                    hint=_START_HINT) from exc
         except httpx.TimeoutException as exc:
             raise _remote_error(
                 f"{method} on {url} did not answer in time ({exc})",
                 "raise HTTPBackend(timeout=...) for long calls, or check the server's log",
             ) from exc
         except httpx.TransportError as exc:
-            raise _remote_error(
+            raise ServerUnreachable(
                 f"connection to {url} failed during {method} ({type(exc).__name__}: {exc})",
-                "check that the server is still running (its log says why it stopped) and retry",
+                hint="check that the server is still running (its log says why it stopped) and retry",
             ) from exc
 
     def _record(self, method: str, response: httpx.Response, wall_seconds: float) -> None:
@@ -148,6 +149,32 @@ class HTTPBackend:
 
     def close(self) -> None:
         self._client.close()
+
+    def reopen(self) -> None:
+        """After the server came back: a fresh connection pool and a fresh call stream (a restarted server
+        numbers streams afresh; the run this client drives is opened again by its resume)."""
+        self._client.close()
+        self._client = httpx.Client(base_url=self.base_url, timeout=self._client.timeout, headers=self._client.headers)
+        with self._seq_lock:
+            self._stream, self._seq = uuid.uuid4().hex, itertools.count(1)
+
+
+def wait_for_server(base_url: str, timeout: float, *, on_wait=None) -> bool:
+    """Poll the server's /healthz with backoff (0.5 s doubling to 5 s) until it answers, for up to `timeout`
+    seconds; whether it came back. `on_wait(seconds, why)` is told of each wait."""
+    deadline, delay = time.monotonic() + timeout, 0.5
+    while True:
+        try:
+            if httpx.get(f"{base_url.rstrip('/')}/healthz", timeout=5.0).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if time.monotonic() + delay > deadline:
+            return False
+        if on_wait is not None:
+            on_wait(delay, f"the server at {base_url} is unreachable: reconnecting in {delay:.1f}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)
 
 
 def _retry_after(response: httpx.Response) -> float:

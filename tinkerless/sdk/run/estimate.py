@@ -93,7 +93,7 @@ def _calibrated(config: TrainConfig) -> tuple[Estimate, dict]:
     # A step is their mean: the first carries the warm-up, and on a shared machine either may carry a neighbour's load.
     first, step = per_step[0], sum(per_step) / len(per_step)
     checkpoints = math.ceil(config.steps / config.checkpoint_every)
-    point = phases["setup"] + first + step * (config.steps - 1) + checkpoint * checkpoints
+    point = extrapolated(phases["setup"], per_step, checkpoint, checkpoints, config.steps)
     # The spread of a step on a busy machine: the two measured steps bound it, and at least +-15%.
     spread = max(0.15, abs(first - per_step[-1]) / max(step, 1e-9) / 2) if steps > 1 else 0.3
     runs = (point * (1 - spread), point, point * (1 + spread))
@@ -117,3 +117,26 @@ def before_launch(config: TrainConfig, gpu: str | None) -> str:
     if kind is None:
         return f"estimate: no figures for GPU {gpu!r} (`tinkerless estimate CONFIG` lists the classes it knows)"
     return estimate(config, calibrate=False, gpus=(kind,)).table()
+
+
+def extrapolated(setup: float, steps: list[float], checkpoint_s: float, checkpoints: int, total_steps: int) -> float:
+    """The calibrated estimate's point: setup + first step + (steps - 1) x the mean of the measured steps +
+    the checkpoints (one rule for `estimate` and for a finished run's report)."""
+    return setup + steps[0] + sum(steps) / len(steps) * (total_steps - 1) + checkpoint_s * checkpoints
+
+
+def beside_actual(metrics: list[dict], usage: dict) -> str | None:
+    """A finished CPU run's report line: what the calibrated estimate would have said from this run's own first
+    steps, beside what the run used (None for a run too short to say, or on another device)."""
+    if usage.get("device") != "cpu" or len(metrics) < CALIBRATION_STEPS + 1:
+        return None
+    from tinkerless.sdk.run.accounting import seconds_by_phase, seconds_total
+
+    steps = [float(m.get("compute_s/step", math.nan)) for m in metrics[:CALIBRATION_STEPS]]
+    phases, actual = seconds_by_phase(usage), seconds_total(usage)
+    if not all(math.isfinite(s) for s in steps) or actual <= 0:
+        return None
+    # Its checkpoints as they were (the estimate times one checkpoint by their count: the same sum).
+    point = extrapolated(float(phases.get("setup", 0.0)), steps, float(phases.get("storage", 0.0)), 1, len(metrics))
+    return (f"estimate {point:.1f} s (from its first {CALIBRATION_STEPS} steps, as `tinkerless estimate` "
+            f"extrapolates) beside actual {actual:.1f} s: {100 * (point - actual) / actual:+.0f}%")

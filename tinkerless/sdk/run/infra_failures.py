@@ -17,7 +17,7 @@ import math
 from collections import Counter
 from typing import Callable
 
-from tinkerless.errors import InfrastructureFailure, infra_cause
+from tinkerless.errors import InfrastructureFailure, ServerUnreachable, infra_cause
 from tinkerless.wire.messages import Episode, RolloutRequest, RolloutResult
 
 INFRA_FAILED = "infra_failed"
@@ -44,7 +44,7 @@ def play(rollout: Callable[[RolloutRequest], RolloutResult], request: RolloutReq
         try:
             redone = rollout(again)
         except Exception as exc:  # noqa: BLE001 - only an infrastructure failure is another try; the rest is raised
-            if infra_cause(exc) is None:
+            if infra_cause(exc) is None or isinstance(exc, ServerUnreachable):
                 raise
             continue  # the failed episodes stay failed; the next attempt (if any) asks again
         if len(redone.episodes) != len(failed):
@@ -63,7 +63,8 @@ def _call(rollout: Callable[[RolloutRequest], RolloutResult], request: RolloutRe
         try:
             return rollout(request)
         except Exception as exc:  # noqa: BLE001 - only an infrastructure failure is made again
-            if infra_cause(exc) is None or attempt == retries:
+            # A lost server is not retried call by call: its policies went with it (the run reconnects, `reconnect`).
+            if infra_cause(exc) is None or isinstance(exc, ServerUnreachable) or attempt == retries:
                 raise
     raise AssertionError("unreachable")
 

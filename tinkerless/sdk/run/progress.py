@@ -92,4 +92,11 @@ def final_report(result) -> str:
         f"  episodes: {result.run_dir / TRANSCRIPTS_FILE}\n"
         f"  checkpoint: step-{result.last_checkpoint_step} (resume with --resume --run-id {result.run_id})"
         + (f"\n  compute: {format_usage(result.usage)}" if result.usage else "")
+        + (f"\n  estimate: {line}" if (line := _estimate_line(result)) else "")
     )
+
+
+def _estimate_line(result) -> str | None:
+    from tinkerless.sdk.run.estimate import beside_actual
+
+    return beside_actual(result.metrics, result.usage) if result.usage else None

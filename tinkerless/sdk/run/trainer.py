@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tinkerless.coordinator import Coordinator
-from tinkerless.errors import BudgetExceeded, UserError
+from tinkerless.errors import BudgetExceeded, ServerUnreachable, UserError
 from tinkerless.sdk.run.accounting import RunUsage, latest_usage
 from tinkerless.sdk.run.batches import update_batch
 from tinkerless.sdk.backends.base import Backend, device_of, make_backend, with_usage
@@ -45,6 +45,7 @@ from tinkerless.sdk.run.progress import Progress, final_report
 from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors
 from tinkerless.sdk.run.run_budget import RunBudget, stopped
 from tinkerless.sdk.run.estimate import dry_run as estimate_run
+from tinkerless.sdk.run.reconnect import reconnecting
 from tinkerless.sdk.run.rollouts import step_seed as _step_seed
 from tinkerless.sdk.run.step_metrics import agent_metrics, agent_result_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
@@ -82,8 +83,9 @@ def train(config: TrainConfig | None = None, *, backend: Backend | str | None = 
     config.validate()
     if dry_run:  # nothing trained: the run's estimate, printed and returned (sdk/run/estimate.py)
         return estimate_run(config)  # type: ignore[return-value]
-    with interruptible():  # SIGTERM stops a run like Ctrl-C: marked interrupted, resumable
-        return _Run(config, backend if not isinstance(backend, (str, type(None))) else None).run()
+    given = backend if not isinstance(backend, (str, type(None))) else None
+    with interruptible():  # SIGTERM stops a run like Ctrl-C; a server that went away is waited for (`reconnect`)
+        return reconnecting(lambda attempt: _Run(attempt, given).run(), config, given)
 
 
 class _Run:
@@ -286,7 +288,8 @@ class _Run:
         self.heartbeat.stop()
         if getattr(self, "pipeline", None) is not None:
             self.pipeline.close(wait=False)  # rollouts running ahead are dropped: a resume plays them again
-        status = "interrupted" if isinstance(exc, (KeyboardInterrupt, BudgetExceeded)) else "failed"
+        status = "interrupted" if isinstance(exc, (KeyboardInterrupt, BudgetExceeded, ServerUnreachable)) else "failed"
+        exc.run_id = self.run_id  # type: ignore[attr-defined] # what a reconnect resumes (ServerUnreachable)
         try:
             with uninterrupted():  # a checkpoint being written still commits: a resume starts from it
                 self.checkpoints.finish()
@@ -308,10 +311,8 @@ class _Run:
         name = exc.signal_name if isinstance(exc, RunInterrupted) else "SIGINT"
         return RunInterrupted(name, self.run_id, self.coordinator.state.last_checkpoint_step)
 
-    def _usage_summary(self) -> dict | None:
-        """What a failed run used so far (None if it failed before its backend existed)."""
-        usage = getattr(self, "usage", None)
-        return None if usage is None else {"usage": usage.summary()}
+    def _usage_summary(self) -> dict | None:  # what a failed run used so far (None: it failed before its backend)
+        return None if getattr(self, "usage", None) is None else {"usage": self.usage.summary()}
 
     def _held_out_eval(self) -> dict:
         """eval_every: the policy this step samples from plays eval_tasks (same seed every time), never trained on."""
