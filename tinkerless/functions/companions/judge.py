@@ -389,24 +389,47 @@ def judge_on_worker(worker: Any, episodes: list[Any], spec: JudgeSpec) -> dict:
 
 def next_token_logprobs(worker: Any, prompts: list[list[int]]) -> np.ndarray:
     """The worker's base model's log-probs of the token after each prompt ([n, vocab]), in micro-batches: the
-    judge's verdict distribution. Rows are right-padded; a causal model never lets a real token see a pad."""
+    judge's verdict distribution. The prompts' common beginning (the instructions and rubric, the same for every
+    question of a step) runs once and its KV cache is shared; rows are right-padded after it (a causal model
+    never lets a real token see a pad)."""
+    import copy
+
     import torch
 
     from tinkerless.wire.messages import BASE_POLICY
 
+    shared = _common_prefix(prompts)
     out = []
     with torch.no_grad(), worker._activate(BASE_POLICY):
+        prefix = None
+        if shared >= 8:
+            head = torch.as_tensor(prompts[0][:shared], dtype=torch.long, device=worker.device)[None]
+            prefix = worker.model(input_ids=head, use_cache=True).past_key_values
         for first in range(0, len(prompts), worker.micro_batch_size):
-            chunk = prompts[first:first + worker.micro_batch_size]
+            chunk = [p[shared if prefix is not None else 0:] for p in prompts[first:first + worker.micro_batch_size]]
             ids = torch.full((len(chunk), max(len(p) for p in chunk)), worker.pad_id, dtype=torch.long)
             for row, prompt in enumerate(chunk):
                 ids[row, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+            options: dict = {"use_cache": False}
+            if prefix is not None:
+                cache = copy.deepcopy(prefix)
+                cache.batch_repeat_interleave(len(chunk))
+                options = {"past_key_values": cache, "use_cache": True}
             lasts = sorted({len(p) - 1 for p in chunk})
-            logits = worker.model(input_ids=ids.to(worker.device), use_cache=False,
-                                  logits_to_keep=torch.as_tensor(lasts, device=worker.device)).logits
+            logits = worker.model(input_ids=ids.to(worker.device), logits_to_keep=torch.as_tensor(lasts, device=worker.device),
+                                  **options).logits
             picked = torch.stack([logits[row, lasts.index(len(p) - 1)] for row, p in enumerate(chunk)])
             out.append(torch.log_softmax(picked.float(), dim=-1).cpu().numpy())
     return np.concatenate(out)
+
+
+def _common_prefix(prompts: list[list[int]]) -> int:
+    """Tokens every prompt begins with, leaving each at least one token of its own."""
+    shortest = min(len(p) for p in prompts)
+    n = 0
+    while n < shortest - 1 and all(p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
 
 
 def mark_failed(episode: Any, error: InfrastructureFailure) -> None:
