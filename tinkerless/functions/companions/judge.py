@@ -66,7 +66,7 @@ def _digest(*parts: str) -> str:
 
 def markers(text: str, label: str = "completion") -> tuple[str, str]:
     """The fence around `text`: lines carrying a nonce derived from the text itself, so the text cannot hold them."""
-    nonce = _digest("fence", text)[:16]
+    nonce = _digest("fence", text)[:12]
     return f"<<<BEGIN {label} {nonce}>>>", f"<<<END {label} {nonce}>>>"
 
 
@@ -109,7 +109,7 @@ def pointwise_prompt(spec: JudgeSpec, judge_model: str, transcript: list[dict]) 
         system=INSTRUCTIONS.format(open=opening, close=closing),
         user_before=f"Rubric:\n{spec.rubric}\n\nTask:\n{task}\n\n",
         graded=[(opening, completion, closing)],
-        user_after="\n\nScore the completion from 0 to 9.",
+        user_after="",
         key=_digest("pointwise", spec.rubric, judge_model, task, completion),
     )
 
@@ -388,39 +388,61 @@ def judge_on_worker(worker: Any, episodes: list[Any], spec: JudgeSpec) -> dict:
 
 
 def next_token_logprobs(worker: Any, prompts: list[list[int]]) -> np.ndarray:
-    """The worker's base model's log-probs of the token after each prompt ([n, vocab]), in micro-batches: the
-    judge's verdict distribution. The prompts' common beginning (the instructions and rubric, the same for every
-    question of a step) runs once and its KV cache is shared; rows are right-padded after it (a causal model
-    never lets a real token see a pad)."""
-    import copy
-
+    """The worker's base model's log-probs of the token after each prompt ([n, vocab]): the judge's verdict
+    distribution. What the prompts share runs once: their common beginning (the instructions and rubric) as one
+    KV cache, then, for each batch of prompts about the same task (consecutive in sorted order), the task's part
+    on top of it; each prompt's own rest (the graded text) runs right-padded in that batch (a causal model never
+    lets a real token see a pad)."""
     import torch
 
     from tinkerless.wire.messages import BASE_POLICY
 
     shared = _common_prefix(prompts)
-    out = []
+    order = sorted(range(len(prompts)), key=lambda n: prompts[n])
+    out: dict[int, np.ndarray] = {}
     with torch.no_grad(), worker._activate(BASE_POLICY):
-        prefix = None
-        if shared >= 8:
-            head = torch.as_tensor(prompts[0][:shared], dtype=torch.long, device=worker.device)[None]
-            prefix = worker.model(input_ids=head, use_cache=True).past_key_values
-        for first in range(0, len(prompts), worker.micro_batch_size):
-            chunk = [p[shared if prefix is not None else 0:] for p in prompts[first:first + worker.micro_batch_size]]
-            ids = torch.full((len(chunk), max(len(p) for p in chunk)), worker.pad_id, dtype=torch.long)
-            for row, prompt in enumerate(chunk):
-                ids[row, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
-            options: dict = {"use_cache": False}
-            if prefix is not None:
-                cache = copy.deepcopy(prefix)
-                cache.batch_repeat_interleave(len(chunk))
-                options = {"past_key_values": cache, "use_cache": True}
-            lasts = sorted({len(p) - 1 for p in chunk})
-            logits = worker.model(input_ids=ids.to(worker.device), logits_to_keep=torch.as_tensor(lasts, device=worker.device),
-                                  **options).logits
-            picked = torch.stack([logits[row, lasts.index(len(p) - 1)] for row, p in enumerate(chunk)])
-            out.append(torch.log_softmax(picked.float(), dim=-1).cpu().numpy())
-    return np.concatenate(out)
+        root = _prefill(worker, prompts[0][:shared], None) if shared else None
+        for batch in _batches([prompts[n] for n in order], shared, worker.micro_batch_size):
+            rows = [order[n] for n in batch]
+            common = _common_prefix([prompts[n] for n in rows])
+            cache = _prefill(worker, prompts[rows[0]][shared:common], root)
+            cache.batch_repeat_interleave(len(rows))
+            rest = [prompts[n][common:] for n in rows]
+            ids = torch.full((len(rows), max(len(p) for p in rest)), worker.pad_id, dtype=torch.long)
+            for row, tokens in enumerate(rest):
+                ids[row, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+            lasts = sorted({len(p) - 1 for p in rest})
+            logits = worker.model(input_ids=ids.to(worker.device), past_key_values=cache, use_cache=True,
+                                  logits_to_keep=torch.as_tensor(lasts, device=worker.device)).logits
+            for row, n in enumerate(rows):
+                picked = logits[row, lasts.index(len(rest[row]) - 1)]
+                out[n] = torch.log_softmax(picked.float(), dim=-1).cpu().numpy()
+    return np.stack([out[n] for n in range(len(prompts))])
+
+
+def _prefill(worker: Any, tokens: list[int], parent: Any) -> Any:
+    """A KV cache of `tokens` after `parent`'s (a copy: `parent` stays as it was)."""
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    cache = copy.deepcopy(parent) if parent is not None else DynamicCache()
+    if tokens:
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=worker.device)[None]
+        worker.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def _batches(prompts: list[list[int]], shared: int, size: int) -> list[list[int]]:
+    """Runs of consecutive (sorted) prompts that share more than `shared` tokens, at most `size` each."""
+    batches: list[list[int]] = []
+    for n, prompt in enumerate(prompts):
+        if batches and len(batches[-1]) < size and _common_prefix([prompts[batches[-1][0]], prompt]) > shared + 4:
+            batches[-1].append(n)
+        else:
+            batches.append([n])
+    return batches
 
 
 def _common_prefix(prompts: list[list[int]]) -> int:
