@@ -89,7 +89,7 @@ def test_a_completion_cannot_rewrite_the_judges_instructions_or_verdict_format(w
         user = prompt.user_text()
         assert user.count(opening) == 1 and user.count(closing) == 1
         assert user.index(opening) < user.index(text) < user.index(closing) if text else True
-        assert prompt.system == benign.system.replace(benign.graded[0][0], opening).replace(benign.graded[0][2], closing)
+        assert prompt.system == benign.system  # the instructions do not depend on the graded text
         assert worker.tokenizer.decode(ids).endswith(judging.PREFILL)  # the judge's reply starts with the format
     episodes = [episode(0, text) for text in HOSTILE]
     worker._judge(episodes, spec)
