@@ -29,13 +29,12 @@ their group, never scored 0.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -236,7 +235,6 @@ class JudgeStats:
     prompt_tokens: int = 0  # tokens the judge read (engine) — its compute
     seconds: float = 0.0
     failed: int = 0
-    records: dict = field(default_factory=dict)
 
     def as_stats(self) -> dict[str, float]:
         return {"judge_questions": float(self.questions), "judge_cache_hits": float(self.cache_hits),
@@ -345,12 +343,3 @@ def same_model(a: str, b: str) -> bool:
         return True
     pa, pb = Path(a).expanduser(), Path(b).expanduser()
     return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
-
-
-def describe(spec: JudgeSpec) -> str:
-    where = spec.endpoint or "the policy's base model"
-    return f"{spec.mode} judge on {where}" + (f" ({spec.model})" if spec.model else "")
-
-
-def spec_json(spec: JudgeSpec) -> str:
-    return json.dumps({"rubric": spec.rubric, "mode": spec.mode, "model": spec.model, "endpoint": spec.endpoint})
