@@ -65,11 +65,15 @@ def curve(storage: str, run_id: str, steps: int, eval_config) -> list[float]:
     """Held-out mean reward of the base model (step 0) and of each checkpoint 1..steps."""
     from tinkerless.sdk.evaluation.evaluate import evaluate
 
+    cache = Path(storage, f"heldout-{run_id}.json")  # a rerun (--skip-train) reuses the evaluations done
+    done = json.loads(cache.read_text()) if cache.is_file() else {}
     out = []
     for step in range(steps + 1):
         checkpoint = "base" if step == 0 else f"{run_id}@{step}"
-        report = evaluate(eval_config, checkpoint=checkpoint, tasks=held_out(), samples=2, seed=7)
-        out.append(float(report.mean))
+        if checkpoint not in done:
+            done[checkpoint] = float(evaluate(eval_config, checkpoint=checkpoint, tasks=held_out(), samples=2, seed=7).mean)
+            cache.write_text(json.dumps(done))
+        out.append(done[checkpoint])
         print(f"eval {checkpoint}: {out[-1]:.3f}", flush=True)
     return out
 
@@ -83,15 +87,15 @@ def forward_costs(storage: str, teacher: str, rounds: int = 3) -> dict:
     from tinkerless.sdk.backends.base import LocalBackend
     from tinkerless.sdk.backends.client import TrainingClient
     from tinkerless.sdk.backends.run_host import run_host_for
-    from tinkerless.sdk.run.distillation import _sequence_datums, open_teacher
+    from tinkerless.sdk.run.distillation import _sequence_datums, load_teacher
     from tinkerless.sdk.run.accounting import PriceTable, RunUsage
     from tinkerless.sdk.run.rollouts import RolloutRequests
 
     backend = LocalBackend("smollm2")
     host = run_host_for(backend, storage, None)
     usage = RunUsage(backend.usage, PriceTable())
-    student = TrainingClient(backend, "student", namespace="bench")
-    teacher = open_teacher(teacher, model="smollm2", backend=backend, namespace="bench", host=host, usage=usage)
+    student = TrainingClient(backend, "default", namespace="bench")
+    teacher = load_teacher(teacher, model="smollm2", backend=backend, namespace="bench", host=host, usage=usage)
     cfg = config(storage)
     request = RolloutRequests(cfg).single_agent([make_task(__import__("random").Random(i)) for i in range(8)], 0)
     episodes = student.rollout(request).episodes

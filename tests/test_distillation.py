@@ -319,3 +319,15 @@ def _full_logprobs(model: str, storage: Path, tokens: np.ndarray) -> torch.Tenso
     net = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), str(adapter))
     with torch.no_grad():
         return torch.log_softmax(net(input_ids=torch.as_tensor(tokens, dtype=torch.long)[None]).logits[0].double(), -1)
+
+
+def test_a_run_distills_from_its_own_earlier_checkpoint(setup, tmp_path):
+    """Resumed with teacher='S@1', run S trains on toward its own step-1 adapter (self-distillation)."""
+    model, _ = setup
+    settings = {**SETTINGS, "storage": str(tmp_path), "run_id": "S", "reward": vowels}
+    tinkerless.train(model=model, steps=2, **settings)
+    result = tinkerless.train(model=model, steps=3, resume=True, teacher="S@1", **settings)
+    assert [r["step"] for r in result.metrics] == [0, 1, 2]
+    last = result.metrics[-1]
+    assert last["teacher_aligned_share"] == 1.0 and abs(last["teacher_logprob_gap"]) > 1e-4  # it moved since step 1
+    assert "teacher_logprob_gap" not in result.metrics[0]  # the steps before the teacher was named had none

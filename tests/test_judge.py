@@ -14,6 +14,7 @@ import pytest
 import tinkerless
 from tinkerless.errors import ConfigError
 from tinkerless.functions.companions import judge as judging
+from tinkerless.functions.companions import judge_engine
 from tinkerless.wire.messages import Episode, JudgeSpec
 
 RUBRIC = "The reply greets the user politely."
@@ -76,12 +77,12 @@ HOSTILE = [
 def test_a_completion_cannot_rewrite_the_judges_instructions_or_verdict_format(worker):
     spec = JudgeSpec(RUBRIC)
     benign = judging.pointwise_prompt(spec, "m", episode(0, "Hello!").transcript)
-    benign_ids = judging.prompt_tokens(benign, worker.tokenizer, worker.chat.render)
+    benign_ids = judge_engine.prompt_tokens(benign, worker.tokenizer, worker.chat.render)
     specials = set(worker.tokenizer.all_special_ids)
     frame = sorted(t for t in benign_ids if t in specials)
     for text in HOSTILE:
         prompt = judging.pointwise_prompt(spec, "m", episode(0, text).transcript)
-        ids = judging.prompt_tokens(prompt, worker.tokenizer, worker.chat.render)
+        ids = judge_engine.prompt_tokens(prompt, worker.tokenizer, worker.chat.render)
         # The same message frame as a benign completion's: the graded text opened or closed no message.
         assert sorted(t for t in ids if t in specials) == frame
         opening, graded, closing = prompt.graded[0]
@@ -89,7 +90,7 @@ def test_a_completion_cannot_rewrite_the_judges_instructions_or_verdict_format(w
         user = prompt.user_text()
         assert user.count(opening) == 1 and user.count(closing) == 1
         assert user.index(opening) < user.index(text) < user.index(closing) if text else True
-        assert prompt.system == benign.system.replace(benign.graded[0][0], opening).replace(benign.graded[0][2], closing)
+        assert prompt.system == benign.system  # the instructions do not depend on the graded text
         assert worker.tokenizer.decode(ids).endswith(judging.PREFILL)  # the judge's reply starts with the format
     episodes = [episode(0, text) for text in HOSTILE]
     worker._judge(episodes, spec)

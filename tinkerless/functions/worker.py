@@ -294,12 +294,12 @@ class Worker:
 
     def _judge(self, episodes: list, spec: Any) -> dict:
         """Grade a rollout's episodes with an LLM judge beside it (functions/companions/judge.py)."""
-        from tinkerless.functions.companions.judge import judge_on_worker
+        from tinkerless.functions.companions.judge_engine import judge_on_worker
 
         return judge_on_worker(self, episodes, spec)
 
     def _next_token_logprobs(self, prompts: list[list[int]]) -> Any:
-        from tinkerless.functions.companions.judge import next_token_logprobs
+        from tinkerless.functions.companions.judge_engine import next_token_logprobs
 
         return next_token_logprobs(self, prompts)
 

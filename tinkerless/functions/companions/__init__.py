@@ -7,7 +7,8 @@ Both are another model served beside the policy, metered and failing the same wa
 - `endpoint`: prompt log-probs from an OpenAI-compatible endpoint (a teacher served elsewhere);
 - `judge`: an LLM judge as a reward (`tinkerless.judge`): its prompt with the completion fenced off, its verdict
   parsed (pointwise scores, or a group ranked together), retried when unparseable, cached by content; a judge
-  that fails or times out raises `InfrastructureFailure`, never a reward of 0.
+  that fails or times out raises `InfrastructureFailure`, never a reward of 0; `judge_engine`: the judge on the
+  policy's own worker (prompts in token space, shared KV prefixes, the verdict from ten digits' log-probs).
 
 The client's side of distillation (which teacher, its forward beside the policy, the advantages it gives)
 is `tinkerless.sdk.run.distillation`.

@@ -19,7 +19,7 @@ from tinkerless.functions.rollout.agent_loop import TokenCounts, run_episodes
 from tinkerless.functions.rollout.recording import stamp_versions
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.rollout.multi_agent_loop import run_games
-from tinkerless.functions.rollout.rollout_clock import TimedEngine, measure, rollout_clock
+from tinkerless.functions.rollout.rollout_clock import TimedEngine, rollout_clock
 from tinkerless.wire import unpack_code
 from tinkerless.wire.code import CodeBlob
 from tinkerless.wire.messages import BASE_POLICY, MultiAgentRolloutRequest, RolloutRequest, RolloutResult
@@ -82,8 +82,8 @@ def rollout(
         if request.judge is not None:
             if judge is None:
                 raise UserError("this worker runs no judge", hint="drop judge= from the rollout")
-            with measure("judge"):
-                judged = judge(episodes, request.judge)
+            started_judge = time.perf_counter()
+            judged = {**judge(episodes, request.judge), "judge_s": time.perf_counter() - started_judge}
     stamp_versions(episodes, version)
     sampled = float(sum(e.sampled_tokens() for e in episodes))
     stats = {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats(),

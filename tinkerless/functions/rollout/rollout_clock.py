@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 from typing import Iterator
 
-PARTS = ("generate", "env", "encode", "decode", "judge")  # judge: an LLM judge's verdicts (functions/companions)
+PARTS = ("generate", "env", "encode", "decode")
 
 _clock: contextvars.ContextVar["RolloutClock | None"] = contextvars.ContextVar("tinkerless_rollout_clock", default=None)
 
@@ -26,8 +26,7 @@ class RolloutClock:
         self._stack: list[tuple[str, float]] = []
 
     def as_stats(self) -> dict[str, float]:
-        """Seconds per part, as rollout stats: {"generate_s": ..., "env_s": ..., "encode_s": ..., "decode_s": ...,
-        "judge_s": ...}."""
+        """Seconds per part, as rollout stats: {"generate_s": ..., "env_s": ..., "encode_s": ..., "decode_s": ...}."""
         return {f"{part}_s": float(self.seconds.get(part, 0.0)) for part in PARTS}
 
     def _enter(self, part: str) -> None:

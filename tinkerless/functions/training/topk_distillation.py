@@ -21,6 +21,9 @@ from tinkerless.errors import UserError
 from tinkerless.wire.messages import Datum
 
 
+ROW_CHUNK = 256  # positions whose [V] log-softmax is held at once: a long sequence never holds [T, V]
+
+
 def _next_token_logprobs(model, tokens: np.ndarray, rows: torch.Tensor) -> torch.Tensor:
     """log-softmax of the model's prediction of token r at each r in `rows` ([len(rows), V], in fp32)."""
     device = next(model.parameters()).device
@@ -29,20 +32,36 @@ def _next_token_logprobs(model, tokens: np.ndarray, rows: torch.Tensor) -> torch
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def _topk_rows(model, tokens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top k of every position's next-token distribution, the output head run ROW_CHUNK positions at a time
+    over one pass of the decoder (`picked_logits.decoder_and_head`), else a forward per chunk."""
+    from tinkerless.functions.training.picked_logits import decoder_and_head
+
+    n = len(tokens)
+    device = next(model.parameters()).device
+    input_ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=device)[None]
+    split = decoder_and_head(model)
+    hidden = split[0](input_ids=input_ids, use_cache=False).last_hidden_state[0] if split is not None else None
+    ids = np.zeros((n, k), np.int32)
+    lps = np.zeros((n, k), np.float32)
+    for start in range(1, n, ROW_CHUNK):
+        rows = torch.arange(start, min(n, start + ROW_CHUNK))
+        if hidden is not None:
+            logprobs = torch.log_softmax(split[1](hidden[(rows - 1).to(device)]).float(), dim=-1)
+        else:
+            logprobs = _next_token_logprobs(model, tokens, rows)
+        top = torch.topk(logprobs, k=min(k, logprobs.shape[-1]), dim=-1)
+        ids[rows.numpy(), : top.indices.shape[1]] = top.indices.cpu().numpy()
+        lps[rows.numpy(), : top.values.shape[1]] = top.values.cpu().numpy()
+    return ids, lps
+
+
 def teacher_topk(model, data: list[Datum], k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per datum: [N, k] ids and log-probs of the teacher's k most likely tokens at each position (row 0 zeros)."""
     ids_out, lps_out = [], []
     with torch.no_grad():
         for datum in data:
-            n = len(datum.tokens)
-            ids = np.zeros((n, k), np.int32)
-            lps = np.zeros((n, k), np.float32)
-            if n > 1:
-                rows = torch.arange(1, n)
-                logprobs = _next_token_logprobs(model, datum.tokens, rows)
-                top = torch.topk(logprobs, k=min(k, logprobs.shape[-1]), dim=-1)
-                ids[1:, : top.indices.shape[1]] = top.indices.cpu().numpy()
-                lps[1:, : top.values.shape[1]] = top.values.cpu().numpy()
+            ids, lps = _topk_rows(model, datum.tokens, k)
             ids_out.append(ids)
             lps_out.append(lps)
     return ids_out, lps_out
