@@ -150,3 +150,30 @@ def test_keys_are_required_and_scoped(server):
     assert httpx.post(f"{url}/inference/v1/generate", json=request, timeout=60).status_code == 401
     other = httpx.post(f"{url}/inference/v1/generate", json=request, headers={"Authorization": "Bearer tml-bob-key"}, timeout=60)
     assert other.status_code == 404  # bob cannot reach alice's checkpoint
+
+
+def test_verifiers_own_client_drives_the_route(server):
+    """renderers.client.generate: the function verifiers 0.4's training client calls for every turn."""
+    import asyncio
+
+    renderers = pytest.importorskip("renderers")
+    from renderers.client import generate
+    from renderers.configs import DefaultRendererConfig
+
+    url, app, worker = server
+    renderer = renderers.create_renderer(worker.tokenizer, DefaultRendererConfig())
+    messages = [{"role": "user", "content": "Say something."}]
+
+    async def call(model):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        return await generate(client=client, renderer=renderer, messages=messages, model=model,
+                              sampling_params={"max_tokens": 6, "temperature": 0.0})
+
+    for model in (app.state.openai.base_model, "trained@latest"):
+        result = asyncio.run(call(model))
+        prompt = result["prompt_ids"]
+        slot = None if model == app.state.openai.base_model else next(
+            s for k, s in app.state.openai.adapters._slots.items() if k[2] == "trained")
+        expected_ids, expected_logprobs = own(worker, prompt, len(result["completion_ids"]), slot)
+        assert result["completion_ids"] == expected_ids and result["finish_reason"] in ("stop", "length")
+        assert result["completion_logprobs"] == pytest.approx(expected_logprobs, abs=1e-4)
