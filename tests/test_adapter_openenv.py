@@ -184,3 +184,14 @@ def test_rollouts_through_the_server_equal_in_process_ones(worker, guess_server)
     assert len(local) == 4 and {e.status for e in local} <= {"ok", "truncated"}
     for a, b in zip(local, remote):
         assert (a.tokens == b.tokens).all() and (a.mask == b.mask).all() and a.reward == b.reward and a.transcript == b.transcript
+
+
+def test_a_run_through_the_server_trains_as_in_process(tmp_path, tiny_model, guess_server):
+    def run(env, where):
+        result = tinkerless.train(model=tiny_model, env=env, tasks=lambda rng: {"seed": rng.randrange(100)}, steps=2,
+                                  batch_size=2, group_size=2, max_turns=3, max_tokens=4, temperature=1.0,
+                                  learning_rate=1e-2, storage=str(tmp_path / where), progress=False, checkpoint_every=2)
+        lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()
+        import json
+        return [(r["reward_mean"], r["sampled_tokens"], r["episodes_error"]) for r in map(json.loads, lines)]
+    assert run(tinkerless.envs.openenv(guess_server), "remote") == run(tinkerless.envs.openenv(GuessEnv), "local")
