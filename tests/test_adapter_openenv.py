@@ -195,3 +195,60 @@ def test_a_run_through_the_server_trains_as_in_process(tmp_path, tiny_model, gue
         import json
         return [(r["reward_mean"], r["sampled_tokens"], r["episodes_error"]) for r in map(json.loads, lines)]
     assert run(tinkerless.envs.openenv(guess_server), "remote") == run(tinkerless.envs.openenv(GuessEnv), "local")
+
+
+def _calc_env():
+    from fastmcp import FastMCP
+    from openenv.core.env_server import MCPEnvironment
+
+    class CalcEnv(MCPEnvironment):
+        """An MCP tool env: add and a tool that always fails; the episode ends at a fourth call."""
+
+        def __init__(self):
+            mcp = FastMCP("calc")
+
+            @mcp.tool
+            def add(a: int, b: int) -> int:
+                """Add two integers."""
+                return a + b
+
+            @mcp.tool
+            def fail(x: str) -> str:
+                """Always fails."""
+                raise ValueError("nope " + x)
+
+            super().__init__(mcp)
+
+        def reset(self, seed=None, episode_id=None, **kwargs) -> Observation:
+            return Observation(done=False, reward=0.0)
+
+        def _step_impl(self, action, timeout_s=None, **kwargs) -> Observation:
+            return Observation(done=False, reward=0.0)
+
+        @property
+        def state(self) -> State:
+            return State()
+
+    return CalcEnv
+
+
+def test_mcp_tool_envs_offer_their_tools_in_the_tool_format(worker):
+    pytest.importorskip("fastmcp")
+    Calc = tinkerless.envs.openenv(_calc_env())
+    env = Calc()
+    prompt = env.system_prompt()
+    assert "- add: Add two integers." in prompt and "<tool_call>" in prompt and '"b": {"type": "integer"}' in prompt
+    env.reset(seed=1)
+    steps = [env.step(text) for text in (
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+        '<tool_call>{"name": "fail", "arguments": {"x": "y"}}</tool_call>',
+        '<tool_call>{"name": "sub", "arguments": {}}</tool_call>',
+        '<tool_call>{bad</tool_call>', "no action at all", "<answer>5</answer>")]
+    assert steps[0].observation == "<tool_response>5</tool_response>"
+    assert "error" in steps[1].observation and "nope y" in steps[1].observation
+    assert "no tool 'sub'" in steps[2].observation and "invalid JSON" in steps[3].observation
+    assert "No tool call" in steps[4].observation and steps[5].done and not any(s.done for s in steps[:5])
+    episodes = worker.rollout(RolloutRequest(policy="base", tasks=[{"seed": 1}], group_size=2, env=pack_code(Calc),
+                                             sampling=SamplingParams(max_tokens=8, temperature=1.0),
+                                             limits=EpisodeLimits(max_turns=3, max_episode_tokens=2048), seed=1)).episodes
+    assert {e.status for e in episodes} <= {"ok", "truncated"} and episodes[0].transcript[0]["content"] == prompt

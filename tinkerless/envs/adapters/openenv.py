@@ -55,6 +55,9 @@ def openenv(source: Any, *, connect_attempts: int = 3, message_timeout_s: float 
     Environment = require("openenv.core.env_server").Environment
     if not (isinstance(source, type) and issubclass(source, Environment)):
         raise ConfigError(f"openenv takes a subclass of openenv's Environment or a server URL, got {source!r}")
+    mcp = require("openenv.core.env_server").MCPEnvironment
+    if mcp is not None and issubclass(source, mcp):  # a tool env: its MCP tools become tinkerless tools
+        return type(f"OpenEnvTools_{source.__name__}", (OpenEnvTools,), {"environment": source})
     action_cls = action_class(source)
     attributes = {"environment": source, "action_cls": action_cls, "action_schema": action_cls.model_json_schema()}
     return type(f"OpenEnv_{source.__name__}", (OpenEnvInProcess,), attributes)
@@ -107,6 +110,84 @@ class OpenEnvInProcess(_OpenEnvAdapter):
             return StepResult(observation=problem, reward=0.0, done=False, info={"action_error": True})
         observation = self.env.step(parsed)
         return self._result(observation, getattr(observation, "reward", None), getattr(observation, "done", False))
+
+
+class OpenEnvTools:
+    """An OpenEnv `MCPEnvironment` in-process: its MCP tools, listed at the episode's start, are offered in
+    tinkerless's tool format (`envs.tool_format`: `<tool_call>{"name", "arguments"}</tool_call>`, results as
+    `<tool_response>`, `<answer>` ends the episode); each call is the env's `CallToolAction`, and the env's
+    observation gives the reward and `done`. A call the model writes badly, or a tool the env does not have, is
+    shown to the model as the observation; a tool that fails answers its error the same way (the env's own
+    `CallToolObservation.error`)."""
+
+    environment: type = object
+
+    def _env(self) -> Any:
+        if getattr(self, "env", None) is None:
+            self.env = self.environment()
+        return self.env
+
+    def tools(self) -> list:
+        if getattr(self, "_tools", None) is None:
+            from tinkerless.envs.tool_schema import Tool
+
+            types = require("openenv.core.env_server.mcp_types")
+            listed = self._env().step(types.ListToolsAction())
+            self._tools = [Tool(name=t.name, description=t.description or "", parameters=dict(t.input_schema or {}),
+                                fn=_called_through_the_env) for t in listed.tools]
+        return self._tools
+
+    def system_prompt(self) -> str:
+        from tinkerless.envs.tool_format import describe_tools
+
+        return describe_tools(self.tools())
+
+    def reset(self, **task: Any) -> str:
+        first = self._env().reset(**task)
+        self.tools()
+        return observation_text(first)
+
+    def step(self, action: str) -> StepResult:
+        from tinkerless.envs import tool_format
+
+        parsed = tool_format.parse_action(str(action))
+        if isinstance(parsed, tool_format.FinalAnswer):
+            return StepResult(observation=None, reward=0.0, done=True, info={"answer": parsed.text[:500]})
+        if isinstance(parsed, tool_format.ParseError):
+            return StepResult(observation=parsed.message, reward=0.0, done=False, info={"action_error": True})
+        if parsed is None:
+            return StepResult(observation='No tool call or answer found: reply <tool_call>{"name": ..., "arguments": '
+                              '{...}}</tool_call> or <answer>...</answer>.', reward=0.0, done=False, info={"action_error": True})
+        names = [t.name for t in self.tools()]
+        if parsed.name not in names:
+            return StepResult(observation=f"There is no tool {parsed.name!r}; the tools are {names}.", reward=0.0,
+                              done=False, info={"action_error": True})
+        types = require("openenv.core.env_server.mcp_types")
+        observation = self.env.step(types.CallToolAction(tool_name=parsed.name, arguments=parsed.arguments))
+        error = getattr(observation, "error", None)
+        result = getattr(observation, "result", None)
+        text = f"error: {getattr(error, 'message', error)}" if error else tool_format.format_result(_tool_value(result))
+        done = bool(getattr(observation, "done", False))
+        reward = getattr(observation, "reward", None)
+        return StepResult(observation=None if done else f"<tool_response>{text}</tool_response>",
+                          reward=0.0 if reward is None else reward, done=done, info={"tool": parsed.name})
+
+
+def _called_through_the_env(**_: Any) -> Any:
+    raise EnvError("an OpenEnv MCP tool runs through its env's step(CallToolAction), not directly")
+
+
+def _tool_value(result: Any) -> Any:
+    """The text or data of an MCP tool result (FastMCP's CallToolResult: `data`, or its text contents)."""
+    if result is None:
+        return ""
+    data = getattr(result, "data", None)
+    if data is not None:
+        return data
+    contents = getattr(result, "content", None)
+    if isinstance(contents, list):
+        return "\n".join(str(getattr(c, "text", c)) for c in contents)
+    return result
 
 
 class OpenEnvRemote(_OpenEnvAdapter):
