@@ -252,3 +252,26 @@ def test_mcp_tool_envs_offer_their_tools_in_the_tool_format(worker):
                                              sampling=SamplingParams(max_tokens=8, temperature=1.0),
                                              limits=EpisodeLimits(max_turns=3, max_episode_tokens=2048), seed=1)).episodes
     assert {e.status for e in episodes} <= {"ok", "truncated"} and episodes[0].transcript[0]["content"] == prompt
+
+
+class HostileEnv(EchoEnv):
+    """Rewards, observations and types an env should never return (any text is an action here)."""
+
+    mode = "nan"
+
+    def step(self, action: NoteAction, timeout_s=None, **kwargs) -> NoteObservation:
+        if self.mode == "nan":
+            return NoteObservation(echoed="nan", length=3, done=False, reward=float("nan"))
+        if self.mode == "huge":
+            return NoteObservation(echoed="x" * 300_000, length=300_000, done=False, reward=0.0)
+        return {"message": b"\xff bytes", "done": False, "reward": "lots"}  # not an Observation at all
+
+
+@pytest.mark.parametrize("mode, status", [("nan", "error"), ("huge", "truncated"), ("wrong_type", "error")])
+def test_hostile_env_values_end_their_episodes_not_the_worker(worker, mode, status):
+    Env = tinkerless.envs.openenv(type("Hostile", (HostileEnv,), {"mode": mode}))
+    request = RolloutRequest(policy="base", tasks=[{"seed": 1}], group_size=2, env=pack_code(Env),
+                             sampling=SamplingParams(max_tokens=4, temperature=1.0),
+                             limits=EpisodeLimits(max_turns=3, max_episode_tokens=2048), seed=1)
+    episodes = worker.rollout(request).episodes
+    assert {e.status for e in episodes} == {status}

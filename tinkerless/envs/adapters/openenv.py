@@ -109,7 +109,10 @@ class OpenEnvInProcess(_OpenEnvAdapter):
         if problem is not None:
             return StepResult(observation=problem, reward=0.0, done=False, info={"action_error": True})
         observation = self.env.step(parsed)
-        return self._result(observation, getattr(observation, "reward", None), getattr(observation, "done", False))
+        if not isinstance(observation, require("openenv.core.env_server").Observation):
+            raise EnvError(f"{self.environment.__name__}.step returned {type(observation).__name__}, not an OpenEnv Observation",
+                           hint="return an Observation subclass (with done and reward)")
+        return self._result(observation, observation.reward, observation.done)
 
 
 class OpenEnvTools:
