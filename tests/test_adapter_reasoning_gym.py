@@ -136,3 +136,17 @@ def test_train_runs_the_tasks_and_logs_the_curriculum_level(tmp_path, tiny_model
     lines = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["curriculum/level"] for line in lines] == [1.0, 2.0]  # threshold -1: every step passes
     assert all(line["episodes_error"] == 0 for line in lines)
+
+
+def odd_lengths_break_the_scorer(completion):
+    return "x" if len(completion) % 2 else "2"  # prime_factorization's scorer raises on int("x")
+
+
+def test_a_raising_scorer_drops_episodes_and_the_run_goes_on(tmp_path, tiny_model):
+    gym = tinkerless.envs.reasoning_gym("prime_factorization", extract=odd_lengths_break_the_scorer)
+    result = tinkerless.train(model=tiny_model, **gym, steps=2, batch_size=4, group_size=2, max_tokens=5,
+                              temperature=1.0, storage=str(tmp_path), progress=False, checkpoint_every=2)
+    lines = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and sum(line["episodes_error"] for line in lines) > 0
+    errors = [e for line in lines for e in line.get("errors", [])]
+    assert any("prime_factorization.score_answer raised" in e["error"] for e in errors)

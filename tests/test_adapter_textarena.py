@@ -205,3 +205,16 @@ def test_hostile_games_end_their_episodes_not_the_worker(ta_worker, mixin, statu
     assert ta_worker.rollout(RolloutRequest(policy="ta-player", tasks=[{"prompt": "still alive?"}], group_size=1,
                                             sampling=SamplingParams(max_tokens=2), limits=EpisodeLimits(max_turns=1, max_episode_tokens=256),
                                             seed=0)).episodes[0].status == "ok"
+
+
+def test_train_with_a_frozen_seat_a_round_robin_and_max_staleness(tmp_path, tiny_model):
+    import json
+
+    Game = tinkerless.envs.textarena("TicTacToe-v0", response_prefix="[")
+    seatings = [{"player_0": "a", "player_1": tinkerless.Frozen()}, *tinkerless.round_robin(["a", "b"], roles=Game.agents)]
+    result = tinkerless.train(model=tiny_model, env=Game, tasks=Game.tasks, agents=seatings, steps=2, batch_size=1,
+                              group_size=2, max_turns=8, max_tokens=3, max_episode_tokens=2048, max_staleness=1,
+                              storage=str(tmp_path), progress=False, checkpoint_every=2)
+    lines = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1] and all(line["episodes_error"] == 0 for line in lines)
+    assert all(f"win_rate/{p}" in lines[0] for p in ("a", "b"))

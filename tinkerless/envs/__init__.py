@@ -7,15 +7,15 @@
 - `calculator`: math word problems with a calculator tool;
 - `python_tool`: problems solved by running model-written Python in `sandbox` (bubblewrap: its own uid and
   namespaces, seccomp and limits; a `modal.Sandbox` on Modal; see docs/sandbox.md);
-- `adapters/`: envs from the libraries users already have (Reasoning Gym, TextArena, OpenEnv), each an optional
-  extra imported when used: `tinkerless.envs.reasoning_gym(...)`, `textarena(...)`, `openenv(...)`;
+- `adapters/`: envs from the libraries users already have (Reasoning Gym, TextArena, OpenEnv, GEM), each an
+  optional extra imported when used: `tinkerless.envs.reasoning_gym(...)`, `textarena(...)`, `openenv(...)`, `gem(...)`;
 - `gomoku`: two-player gomoku with scripted `random_opponent` / `greedy_opponent`; reading a move from
   a model's answer (`parse_move`) is `gomoku_moves`, importable from `gomoku`.
 """
 
 from tinkerless.envs.base import MultiStepResult, StepResult, as_step_result, check_reward, is_multi_agent
 
-from tinkerless.envs.adapters import openenv, reasoning_gym, textarena
+from tinkerless.envs.adapters import gem, openenv, reasoning_gym, text_gym, textarena
 
 __all__ = ["MultiStepResult", "StepResult", "as_step_result", "check_reward", "is_multi_agent",
-           "openenv", "reasoning_gym", "textarena"]
+           "gem", "openenv", "reasoning_gym", "text_gym", "textarena"]

@@ -10,7 +10,8 @@ an adapter hands `train()` the same tasks, rewards and env classes a user would 
 - `textarena`: `textarena(env_id)`: a game's players become the seats of a multi-agent env (two or more players)
   or a single-agent env (one player), invalid moves detected as the game's rules say;
 - `openenv`: `openenv(EnvironmentClass or "http://127.0.0.1:PORT")`: an OpenEnv environment in-process or over its
-  WebSocket client, actions built from the model's text against the env's action schema.
+  WebSocket client, actions built from the model's text against the env's action schema;
+- `gem`: `gem(env_id)`: GEM's Gymnasium-style text envs; `text_gym(factory)` any env with a 4- or 5-tuple `step`.
 
 See docs/environment-libraries.md.
 """
@@ -38,4 +39,16 @@ def openenv(source: Any, **options: Any) -> Any:
     return make(source, **options)
 
 
-__all__ = ["openenv", "reasoning_gym", "textarena"]
+def gem(env_id: str, **kwargs: Any) -> Any:
+    from tinkerless.envs.adapters.gem import gem as make
+
+    return make(env_id, **kwargs)
+
+
+def text_gym(factory: Any, **options: Any) -> Any:
+    from tinkerless.envs.adapters.gem import text_gym as make
+
+    return make(factory, **options)
+
+
+__all__ = ["gem", "openenv", "reasoning_gym", "text_gym", "textarena"]

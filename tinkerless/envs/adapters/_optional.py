@@ -11,6 +11,7 @@ EXTRAS = {
     "reasoning_gym": ("reasoning-gym", "reasoning-gym==0.1.25"),
     "textarena": ("textarena", "textarena==0.7.4"),
     "openenv": ("openenv", "openenv-core==0.3.0"),
+    "gem": ("gem", "gem-llm==0.1.0 --no-deps"),
 }
 
 

@@ -4,6 +4,7 @@
     GET  /v1/models/{model}         one of them
     POST /v1/chat/completions       messages (+ tools) through the model's chat template; `tool_calls` parsed
     POST /v1/completions            raw text or token-id prompts
+    POST /inference/v1/generate     vLLM's token route: token ids in, token ids and log-probs out (`generate.py`)
 
 Both POST routes answer JSON (`replies.py`) or, with `stream: true`, server-sent events sent as the model
 draws the tokens, then `data: [DONE]` (`streaming.py`). A request is validated, and its job has drawn its
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
-import json
 import logging
 from dataclasses import replace
 from typing import Any, Callable
@@ -28,8 +27,10 @@ from pydantic import ValidationError
 
 from tinkerless.errors import BudgetExceeded, ModelNotFoundError, ServerBusy, TinkerlessError
 from tinkerless.functions.sampling.token_stream import Cancellation
-from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError
-from tinkerless.functions.openai_api.calls import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, ModelCalls, unless_disconnected
+from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError, TokenSampling
+from tinkerless.functions.openai_api.calls import (DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, ModelCalls, temperature_of,
+                                                   unless_disconnected)
+from tinkerless.functions.openai_api.generate import GenerateRequest, generate_reply
 from tinkerless.functions.openai_api.output import finish
 from tinkerless.functions.openai_api.render import chat_format, check_tools, render_chat
 from tinkerless.functions.openai_api.vision import has_image_parts, render_vision_chat
@@ -204,6 +205,32 @@ def openai_router(
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return JSONResponse(reply.full(finished))
+
+    @router.post("/inference/v1/generate")
+    async def generate(request: Request) -> Response:
+        """vLLM's token route (`generate.py`): the caller's token ids in, sampled ids and log-probs out."""
+        try:
+            who, body = await calls.who_and_body(request, GenerateRequest)
+            body.check_unsupported()
+            params = body.sampling_params
+            stop_ids = list(params.stop_token_ids)
+            if not params.ignore_eos:  # vLLM stops at the model's end-of-sequence unless told not to
+                stop_ids += [i for i in chat_format(backend.tokenizer()).eos_token_ids if i not in stop_ids]
+            max_choices = getattr(backend, "max_choices", None)
+            if max_choices is not None and params.n > max_choices:
+                raise OpenAIError(f"n={params.n} is over this server's limit of {max_choices} choices per request",
+                                  param="sampling_params.n", code="limit_exceeded")
+            token_sampling = TokenSampling(
+                prompt_ids=list(body.token_ids), n=params.n,
+                max_tokens=params.max_tokens if params.max_tokens is not None else context_cap(len(body.token_ids)),
+                temperature=temperature_of(params.temperature), top_p=float(params.top_p), stop_strings=[],
+                stop_token_ids=stop_ids, seed=params.seed, top_logprobs=0,
+            )
+            cancel = Cancellation()
+            choices = await unless_disconnected(request, calls.sample_call(who, body.model, token_sampling, cancel), [cancel])
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        return JSONResponse(generate_reply(body.token_ids, choices))
 
     return router
 
