@@ -5,9 +5,12 @@
 The model is the demo's `smollm2-llava` (SmolLM2-135M + a 2-layer SigLIP tower and projector). The batch: 8
 episodes of examples/vision_colours.py's task (a 32 x 32 picture = 16 image tokens, the question, a one-word
 answer), LoRA on the language model (`lora_vision="none"`, the default). The text batch is the same token ids
-with every image token replaced by a text token and no images: the same sequence lengths, so the difference is
-the tower, the connector and merging the features. Each kind runs in its own child process, so its peak RSS
-(ru_maxrss) is its own; within it the step runs once to warm up, then `--repeats` times (the median is kept).
+with every image token replaced by an ordinary text token (random, different per row, so that no two rows share
+a prompt) and no images: the same sequence lengths, so the difference is the tower, the connector and merging
+the features. Each kind runs in its own child process, so its peak RSS
+(ru_maxrss) is its own; within it the step runs once to warm up, then `--repeats` times. The time ratio comes from
+a third run that alternates the two kinds' steps on one worker (`--repeats` each, medians): on a loaded machine
+the load slows both alike.
 """
 
 from __future__ import annotations
@@ -22,39 +25,54 @@ import time
 from pathlib import Path
 
 
-def _run(kind: str, repeats: int, rows: int, queue) -> None:
+def _batches(worker, rows: int) -> dict:
+    """{"text": request, "vlm": request}: the two update requests of the same token ids and lengths."""
     import random
+
+    import numpy as np
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import vision_colours as demo
 
     from tinkerless.functions.losses import LossConfig
-    from tinkerless.functions.worker import Worker
     from tinkerless.wire.content import image_part
-    from tinkerless.wire.messages import CreatePolicyRequest, Datum, LoraConfig, UpdateRequest
+    from tinkerless.wire.messages import Datum, UpdateRequest
 
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    worker = Worker("smollm2-llava", threads=2)
-    worker.create_policy(CreatePolicyRequest("p", LoraConfig(rank=16)))
     rng = random.Random(0)
     answer = worker.chat.encode("Red.") + [worker.chat.end_of_turn_id]
-    filler = worker.chat.encode(" the")[0]
-    data = []
-    for _ in range(rows):
+    # Text stand-ins for the image tokens: ordinary tokens, different per row (identical rows would share their
+    # prompt's forward in the update, `training/shared_prefix.py`, which image rows never do).
+    fillers = np.random.default_rng(0).integers(1000, 20000, size=(rows, 64))
+    data = {"text": [], "vlm": []}
+    for row in range(rows):
         task = demo.make_task(rng)
         messages = [{"role": "user", "content": [image_part(task["images"][0]), demo.QUESTION]}]
         prompt, parts = worker.vision.chat.prompt(messages)
         tokens = prompt + answer
-        mask = [0.0] * len(prompt) + [1.0] * len(answer)
-        images = [worker.vision.processor.process(p) for p in parts]
-        if kind == "text":
-            tokens = [filler if t == worker.vision.processor.image_token_id else t for t in tokens]
-            images = None
-        import numpy as np
+        mask = np.asarray([0.0] * len(prompt) + [1.0] * len(answer), np.float32)
+        slots = iter(fillers[row])
+        text = [int(next(slots)) if t == worker.vision.processor.image_token_id else t for t in tokens]
+        data["vlm"].append(Datum(np.asarray(tokens, np.int32), mask, advantages=mask,
+                                 images=[worker.vision.processor.process(p) for p in parts]))
+        data["text"].append(Datum(np.asarray(text, np.int32), mask, advantages=mask))
+    loss = LossConfig(name="cross_entropy", normalization="token")
+    return {kind: UpdateRequest("p", batch, loss) for kind, batch in data.items()}
 
-        data.append(Datum(np.asarray(tokens, np.int32), np.asarray(mask, np.float32),
-                          advantages=np.asarray(mask, np.float32), images=images))
-    request = UpdateRequest("p", data, LossConfig(name="cross_entropy", normalization="token"))
+
+def _worker():
+    from tinkerless.functions.worker import Worker
+    from tinkerless.wire.messages import CreatePolicyRequest, LoraConfig
+
+    worker = Worker("smollm2-llava", threads=2)
+    worker.create_policy(CreatePolicyRequest("p", LoraConfig(rank=16)))
+    return worker
+
+
+def _run(kind: str, repeats: int, rows: int, queue) -> None:
+    """One kind's steps in a process of its own: its peak RSS is its own."""
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    worker = _worker()
+    request = _batches(worker, rows)[kind]
     times = []
     for i in range(repeats + 1):
         started = time.perf_counter()
@@ -62,9 +80,23 @@ def _run(kind: str, repeats: int, rows: int, queue) -> None:
         if i:
             times.append(time.perf_counter() - started)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    queue.put({"kind": kind, "tokens": int(sum(len(d.tokens) for d in data)), "rows": rows,
+    queue.put({"kind": kind, "tokens": int(sum(len(d.tokens) for d in request.data)), "rows": rows,
                "step_s": statistics.median(times), "step_s_all": times,
                "peak_rss_gb": peak / 2**20, "rss_over_start_gb": (peak - baseline) / 2**20})
+
+
+def _interleaved(repeats: int, rows: int) -> dict:
+    """Both kinds' steps alternated on one worker: a loaded machine slows both alike (the time ratio's figure)."""
+    worker = _worker()
+    requests = _batches(worker, rows)
+    times = {"text": [], "vlm": []}
+    for i in range(repeats + 1):
+        for kind in ("text", "vlm") if i % 2 == 0 else ("vlm", "text"):
+            started = time.perf_counter()
+            worker.update(requests[kind])
+            if i:
+                times[kind].append(time.perf_counter() - started)
+    return {kind: {"step_s": statistics.median(t), "step_s_all": t} for kind, t in times.items()}
 
 
 def main() -> None:
@@ -81,7 +113,9 @@ def main() -> None:
         child.start()
         results[kind] = queue.get()
         child.join()
-    results["vlm_over_text_time"] = results["vlm"]["step_s"] / results["text"]["step_s"]
+    interleaved = _interleaved(args.repeats, args.rows)
+    results["interleaved"] = interleaved
+    results["vlm_over_text_time"] = interleaved["vlm"]["step_s"] / interleaved["text"]["step_s"]
     results["vlm_over_text_peak_rss"] = results["vlm"]["peak_rss_gb"] / results["text"]["peak_rss_gb"]
     print(json.dumps(results, indent=1))
     if args.out:

@@ -11,8 +11,10 @@ The task cannot be solved without the image: each picture is a square of one of 
 background, at a random place and size, and the question is always the same ("What colour is the square?"), so
 chance is 0.25. The reward: 1.0 when the first colour word of the answer is the square's colour, 0.0 for another
 colour, 0.1 for an answer that names no colour.
-An SFT warm start (10 steps of 16 labelled pictures) teaches the answer's form (one colour word) and a first link from the
-random tower's features to the words; RL then lifts the reward to >= 0.9 (BENCHMARKS.md has the curve).
+An SFT warm start (10 steps of 16 labelled pictures) teaches the answer's form (one colour word) and a first link
+from the random tower's features to the words; RL then sharpens it. On the 2-core CPU (2026-11-28, 11 min): the
+untrained model 0.11 (it names no colour), RL step 0 (after SFT) 0.69, RL step rewards >= 0.92 at 11 of the last
+13 steps, and 0.89 on held-out pictures at temperature 1.0 (bench/results/vision.md has the curve and the runs).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 import numpy as np
 
 import tinkerless
+from tinkerless.cloud.modal_entry import modal_entrypoint
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (40, 60, 220), "yellow": (230, 210, 30)}
 QUESTION = "What colour is the square? Answer with one word."
@@ -77,6 +80,8 @@ config = tinkerless.TrainConfig(
     steps=20, batch_size=8, group_size=8, max_tokens=4, temperature=1.0, learning_rate=3e-4,
     lora_vision="connector", checkpoint_every=20, seed=3,
 )
+
+app = modal_entrypoint(config)  # `modal run examples/vision_colours.py` trains the RL phase on Modal
 
 
 def main(out: str | None = None, plot: str | None = None) -> dict:

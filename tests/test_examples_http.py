@@ -35,6 +35,18 @@ def server(tiny_model, tmp_path_factory):
         yield url, storage
 
 
+@pytest.fixture(scope="module")
+def vlm_server(tmp_path_factory):
+    """A server on a tiny LLaVA-style model, for the examples whose model sees (examples/vision_*.py)."""
+    from tinkerless.functions.vision.models import build_tiny_llava
+    from tinkerless.functions.worker import Worker
+
+    model = build_tiny_llava(tmp_path_factory.mktemp("vlm") / "llava")
+    storage = tmp_path_factory.mktemp("vlm-server")
+    with running(create_app(Worker(model), storage=str(storage))) as url:
+        yield url, storage, model
+
+
 def _adapters(storage: Path, run_id: str, step: int) -> dict[str, bytes]:
     files = CheckpointStore(ObjectStore(str(storage)), f"runs/{run_id}/checkpoints").load(step).files
     return {name: data for name, data in files.items() if name.endswith("adapter_model.safetensors")}
@@ -45,9 +57,14 @@ def _same(a: float, b: float) -> bool:
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_gives_the_same_run_locally_and_over_http(example, tiny_model, server, tmp_path):
+def test_example_gives_the_same_run_locally_and_over_http(example, tiny_model, server, request, tmp_path):
+    from tinkerless.functions.vision.models import VISION_MODELS
+
     url, server_storage = server
-    config = load_config(str(example)).replace(
+    config = load_config(str(example))
+    if config.model in VISION_MODELS:  # an example whose model sees: the same run on a tiny vision-language model
+        url, server_storage, tiny_model = request.getfixturevalue("vlm_server")
+    config = config.replace(
         model=tiny_model, steps=2, batch_size=2, group_size=2, max_tokens=4, checkpoint_every=1, progress=False,
         run_id=f"ex-{example.stem.replace('_', '-')}", seed=11,
     )

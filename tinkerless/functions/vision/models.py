@@ -22,6 +22,7 @@ from tinkerless.wire.messages import LoraConfig
 TINY_LLAVA = "tiny-llava"
 TINY_QWEN_VL = "tiny-qwen2.5-vl"
 SMOLLM2_LLAVA = "smollm2-llava"
+VISION_MODELS = (TINY_LLAVA, TINY_QWEN_VL, SMOLLM2_LLAVA)  # the built-in vision-language model names
 # A chat template that renders content parts: text as is, each image as the model's image placeholder.
 _PARTS_TEMPLATE = (
     "{%- for message in messages -%}"

@@ -30,8 +30,11 @@ def _vision_trains(model) -> bool:
                for n, p in model.named_parameters())
 
 
-def _logprobs(model, data: list[Datum], rows: list[int], pad_id: int, features: dict, image_token_id: int):
-    from tinkerless.functions.training.forward_backward import make_batch
+def _logprobs(model, data: list[Datum], rows: list[int], pad_id: int, features: dict, image_token_id: int,
+              trained_only: bool = False):
+    """Log-probs of every token of the rows (0 at column 0); with `trained_only`, the output head runs only on
+    the positions some row trains (as the text path's `picked_logits`), the others left 0."""
+    from tinkerless.functions.training.forward_backward import make_batch, trained_positions
 
     device = next(model.parameters()).device
     chunk = [data[i] for i in rows]
@@ -41,10 +44,14 @@ def _logprobs(model, data: list[Datum], rows: list[int], pad_id: int, features: 
     positions = position_ids(model, batch.input_ids, images, batch.attention)
     width = batch.input_ids.shape[1]
     targets = torch.arange(1, width, device=device)
+    if trained_only:
+        mask = batch.field([d.mask for d in chunk])
+        targets = trained_positions(mask * ~torch.isin(batch.input_ids, torch.tensor(placeholder_ids(model),
+                                                                                      device=device)))
     # No attention mask, as on the text path: rows are right-padded and attention is causal.
     logits = model(inputs_embeds=embeds, position_ids=positions, logits_to_keep=targets - 1, use_cache=False).logits
     # The sampler never draws an image placeholder: score under that same distribution. A placeholder itself is
-    # never a sampled token, so its (impossible) log-prob is reported as 0 and it never trains (`_trainable`).
+    # never a sampled token, so its (impossible) log-prob is reported as 0 (and forward_backward never trains it).
     banned = placeholder_ids(model)
     logits = without_placeholders(logits, banned)
     picked, entropy = picked_logits.target_logprobs(logits, batch.input_ids[:, targets], with_entropy=True)
@@ -84,7 +91,8 @@ def forward_backward(model, data: list[Datum], config: LossConfig, pad_id: int, 
         rows = micro.rows
         share = totals.share([masks[i] for i in rows])
         features = shared if shared is not None else encode_images(model, [i for r in rows for i in (data[r].images or [])])
-        batch, chunk, logprobs, entropy = _logprobs(model, data, rows, pad_id, features, image_token_id)
+        batch, chunk, logprobs, entropy = _logprobs(model, data, rows, pad_id, features, image_token_id,
+                                                    trained_only=True)
         mask = batch.field([d.mask for d in chunk])
         mask = mask * ~torch.isin(batch.input_ids, torch.tensor(placeholder_ids(model), device=mask.device))  # never trained
         totals.add(share, logprobs, entropy, mask, chunk, batch.field)

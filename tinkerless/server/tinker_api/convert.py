@@ -69,6 +69,24 @@ def image_chunk(data: bytes, image_format: str, expected_tokens: int | None, vis
     return [vision.image_token_id] * image.num_tokens, image
 
 
+def with_images(raw: list, vision) -> list[tuple[np.ndarray, dict, list]]:
+    """(tokens, inputs, processed images) of each parsed datum: its image chunks checked and processed."""
+    out, count = [], 0
+    for i, (segments, inputs) in enumerate(raw):
+        tokens, images = [], []
+        for segment in segments:
+            if isinstance(segment, tuple):
+                _count_image(count)
+                count += 1
+                ids, image = image_chunk(*segment, vision, f"datum {i}")
+                tokens.append(np.asarray(ids, dtype=np.int32))
+                images.append(image)
+            else:
+                tokens.append(segment)
+        out.append((np.concatenate(tokens) if tokens else np.zeros(0, np.int32), inputs, images))
+    return out
+
+
 def _count_image(before: int) -> None:
     from tinkerless.wire.content import MAX_IMAGES_PER_REQUEST
 
@@ -77,9 +95,10 @@ def _count_image(before: int) -> None:
                         hint="split it into smaller requests")
 
 
-def parse_forward_backward(body: bytes, vision=None):
+def parse_forward_backward(body: bytes):
     """The protobuf request body -> (model_id, seq_id, loss_fn, config dict, forward_only, datums); each datum is
-    (tokens, inputs, images): a vision-language model (`vision`, its `VisionProcessor`) takes image chunks."""
+    (segments, inputs): token arrays and image chunks (data, format, expected_tokens), resolved by `with_images`
+    once the call holds its place in the model's order (a refused image must still use up its place)."""
     request = pb().ForwardBackwardRequest()
     try:
         request.ParseFromString(body)
@@ -90,23 +109,19 @@ def parse_forward_backward(body: bytes, vision=None):
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
     datums = []
     for i, datum in enumerate(request.data):
-        tokens: list[np.ndarray] = []
-        images = []
+        segments: list = []
         for chunk in datum.model_input:
             kind = chunk.WhichOneof("chunk")
             if kind == "image":
-                _count_image(len(images) + sum(len(d[2]) for d in datums))
                 image = chunk.image
                 expected = image.expected_tokens if image.HasField("expected_tokens") else None
-                ids, processed = image_chunk(image.data, image.format, expected, vision, f"datum {i}")
-                tokens.append(np.asarray(ids, dtype=np.int32))
-                images.append(processed)
+                segments.append((bytes(image.data), image.format, expected))
                 continue
             if kind != "encoded_text":
                 raise UserError(f"datum {i}: {kind} chunks are not supported", hint="send token and image chunks")
-            tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+            segments.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
         inputs = {name: _tensor(t, name) for name, t in datum.loss_fn_inputs.items()}
-        datums.append((np.concatenate(tokens) if tokens else np.zeros(0, np.int32), inputs, images))
+        datums.append((segments, inputs))
     return request.model_id, request.seq_id, request.loss_fn, config, request.forward_only, datums
 
 

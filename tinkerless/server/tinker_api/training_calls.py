@@ -115,13 +115,14 @@ class TrainingCalls:
 
     def forward_backward(self, tenant: str, body: bytes) -> dict:
         vision = self.worker.vision.processor if getattr(self.worker, "vision", None) is not None else None
-        model_id, seq_id, loss_fn, config, forward_only, raw = convert.parse_forward_backward(body, vision)
+        model_id, seq_id, loss_fn, config, forward_only, raw = convert.parse_forward_backward(body)
         model = self.model(tenant, model_id)
 
         def run() -> Proto:  # checked in here: a refused call must still use up its place in the model's order
             loss = convert.loss_config(loss_fn, config)
-            data = [convert.to_datum(i, tokens, inputs, loss_fn) for i, (tokens, inputs, _) in enumerate(raw)]
-            for datum, (_, _, images) in zip(data, raw):  # image chunks: their processed images, in token order
+            resolved = convert.with_images(raw, vision)  # image chunks checked and processed here, in the call's place
+            data = [convert.to_datum(i, tokens, inputs, loss_fn) for i, (tokens, inputs, _) in enumerate(resolved)]
+            for datum, (_, _, images) in zip(data, resolved):  # the processed images, in token order
                 datum.images = images or None
             if not data:
                 raise UserError("forward_backward got no data", hint="send at least one Datum")
