@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -27,6 +30,28 @@ def worker(tiny_model):
     from tinkerless.functions.worker import Worker
 
     return Worker(tiny_model)
+
+
+TRAIN_CLI = [sys.executable, "-m", "tinkerless.sdk.cli.commands", "train"]
+
+
+def train_in_subprocess(example: Path, storage: Path, *extra: str, wait: bool = True) -> subprocess.Popen:
+    """`tinkerless train EXAMPLE` as run id "r" in its own process, for kill-and-resume tests (wait: to its end)."""
+    cmd = [*TRAIN_CLI, str(example), "--storage", str(storage), "--run-id", "r", "--no-progress", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # same thread count in every run: same float sums
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if wait:
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out
+    return proc
+
+
+def latest_checkpoint_step(storage: Path, run_id: str = "r") -> int:
+    """The step of run `run_id`'s latest committed checkpoint (0 before the first)."""
+    try:
+        return json.loads((storage / "runs" / run_id / "checkpoints/latest").read_text())["step"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return 0
 
 
 def write_resumable_example(path: Path, model: str, steps: int) -> Path:

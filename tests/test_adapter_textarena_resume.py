@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from conftest import train_in_subprocess as _train, latest_checkpoint_step as _latest
 
 pytest.importorskip("textarena")
 
 from safetensors.torch import load as load_safetensors  # noqa: E402
 
 STEPS = 5
-CLI = [sys.executable, "-m", "tinkerless.sdk.cli.commands"]
 
 
 @pytest.fixture()
@@ -43,23 +41,6 @@ def example(tmp_path, tiny_model) -> Path:
         )
     """))
     return path
-
-
-def _train(example: Path, storage: Path, *extra: str, wait: bool = True) -> subprocess.Popen:
-    cmd = [*CLI, "train", str(example), "--storage", str(storage), "--run-id", "r", "--no-progress", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # same thread count in every run: same float sums
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if wait:
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out
-    return proc
-
-
-def _latest(storage: Path) -> int:
-    try:
-        return json.loads((storage / "runs/r/checkpoints/latest").read_text())["step"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return 0
 
 
 def _adapter(storage: Path) -> dict:

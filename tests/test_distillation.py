@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import write_resumable_example
+from conftest import write_resumable_example, latest_checkpoint_step as _latest
 from safetensors.torch import load as load_safetensors
 
 import tinkerless
@@ -134,13 +134,6 @@ def test_teacher_settings_are_checked_before_anything_loads(setup):
         tinkerless.train(model=model, teacher="nope@1", steps=1, storage=str(storage), **SETTINGS)
     with pytest.raises(UserError, match="no step 7|step 7|cannot load"):
         tinkerless.train(model=model, teacher="T@7", steps=1, storage=str(storage), **SETTINGS)
-
-
-def _latest(storage: Path) -> int:
-    try:
-        return json.loads((storage / "runs/r/checkpoints/latest").read_text())["step"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return 0
 
 
 def test_a_killed_and_resumed_distillation_run_ends_identical_to_an_uninterrupted_one(setup, tmp_path):

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import write_resumable_example
+from conftest import write_resumable_example, train_in_subprocess as _train, latest_checkpoint_step as _latest
 from safetensors.torch import load as load_safetensors
 
 STEPS = 10
-CLI = [sys.executable, "-m", "tinkerless.sdk.cli.commands"]
 
 
 @pytest.fixture()
@@ -24,26 +21,9 @@ def example(tmp_path, tiny_model) -> Path:
     return write_resumable_example(tmp_path / "resumable.py", tiny_model, STEPS)
 
 
-def _train(example: Path, storage: Path, *extra: str, wait: bool = True) -> subprocess.Popen:
-    cmd = [*CLI, "train", str(example), "--storage", str(storage), "--run-id", "r", "--no-progress", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # same thread count in every run: same float sums
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if wait:
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out
-    return proc
-
-
 def _final_adapter(storage: Path) -> dict:
     data = (storage / "runs/r/checkpoints" / f"step-{STEPS}" / "adapter/adapter_model.safetensors").read_bytes()
     return load_safetensors(data)
-
-
-def _latest(storage: Path) -> int:
-    try:
-        return json.loads((storage / "runs/r/checkpoints/latest").read_text())["step"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return 0
 
 
 def test_sigkill_and_resume_equals_uninterrupted(tmp_path, example):

@@ -5,9 +5,7 @@ greedy tokens for an image prompt."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -15,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import train_in_subprocess as _train, latest_checkpoint_step as _latest
 import torch
 from safetensors.torch import load as load_safetensors
 
 STEPS = 4
-CLI = [sys.executable, "-m", "tinkerless.sdk.cli.commands"]
 
 
 @pytest.fixture(scope="module")
@@ -62,23 +60,6 @@ def _config(example: Path, storage: Path, **changes):
 
     config = runpy.run_path(str(example))["config"]
     return config.replace(storage=str(storage), run_id="r", **changes)
-
-
-def _train(example: Path, storage: Path, *extra: str, wait: bool = True) -> subprocess.Popen:
-    cmd = [*CLI, "train", str(example), "--storage", str(storage), "--run-id", "r", "--no-progress", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # same thread count in every run: same float sums
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if wait:
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out
-    return proc
-
-
-def _latest(storage: Path) -> int:
-    try:
-        return json.loads((storage / "runs/r/checkpoints/latest").read_text())["step"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return 0
 
 
 def _adapter(storage: Path, step: int = STEPS) -> dict:

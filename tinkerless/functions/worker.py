@@ -35,33 +35,17 @@ from tinkerless.functions.training.policy_state import (ADAPTER_CONFIG, canonica
 from tinkerless.functions.precision import dtype_name, resolve_dtype
 from tinkerless.functions.models import resolve_model
 from tinkerless.functions.vision.checks import check_images_fit, has_images
+from tinkerless.functions.vision.runtime import attach_vision
 from tinkerless.functions.threads import apply_threads, choose_threads
 from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.code import CodeBlob
 from tinkerless.wire.replies import error_reply
 from tinkerless.wire.validate import validate
 from tinkerless.wire.messages import (
-    BASE_POLICY,
-    CreatePolicyRequest,
-    ForwardBackwardRequest,
-    ForwardBackwardResult,
-    ForwardRequest,
-    ForwardResult,
-    LoadStateRequest,
-    MultiAgentRolloutRequest,
-    OptimStepRequest,
-    OptimStepResult,
-    PolicyState,
-    ResetPolicyRequest,
-    DeletePolicyRequest,
-    RolloutRequest,
-    RolloutResult,
-    SampledSequence,
-    SampleRequest,
-    SampleResult,
-    SaveStateRequest,
-    UpdateRequest,
-    UpdateResult,
+    BASE_POLICY, CreatePolicyRequest, ForwardBackwardRequest, ForwardBackwardResult, ForwardRequest, ForwardResult,
+    LoadStateRequest, MultiAgentRolloutRequest, OptimStepRequest, OptimStepResult, PolicyState, ResetPolicyRequest,
+    DeletePolicyRequest, RolloutRequest, RolloutResult, SampledSequence, SampleRequest, SampleResult,
+    SaveStateRequest, UpdateRequest, UpdateResult
 )
 
 # transformers 5 warns about its own internal call when peft wraps a model; it is not actionable.
@@ -129,13 +113,8 @@ class Worker:
         self._code_cache: dict[str, Any] = {}
         self.user_code_hosts = user_code_hosts
         self.engine = self._make_engine(engine, max_batch_size)
-        self.vision = None  # a vision-language model's processor, chat with images and sampler (`functions/vision`)
-        if getattr(self, "_image_processor", None) is not None:
-            from tinkerless.functions.vision.models import lora_targets
-            from tinkerless.functions.vision.runtime import VisionRuntime
-
-            self.vision = VisionRuntime(self, self._image_processor)
-            self.adapters.resolve_lora = lambda lora: lora_targets(self.base_model, lora)
+        # A vision-language model's processor, chat with images and sampler (`functions/vision`); None for text.
+        self.vision = attach_vision(self, getattr(self, "_image_processor", None))
 
     def _load_base_model(self, device: str) -> tuple[Any, Any]:
         """The base model and its tokenizer (a sharded update's rank loads only its share: `sharding.rank`)."""
@@ -292,15 +271,12 @@ class Worker:
                 code_cache=self._code_cache, check_policy=self._policy, vision=self.vision, judge=self._judge,
             )
 
-    def _judge(self, episodes: list, spec: Any) -> dict:
-        """Grade a rollout's episodes with an LLM judge beside it (functions/companions/judge.py)."""
+    def _judge(self, episodes: list, spec: Any) -> dict:  # an LLM judge beside the rollout (companions/judge.py)
         from tinkerless.functions.companions.judge_engine import judge_on_worker
-
         return judge_on_worker(self, episodes, spec)
 
-    def _next_token_logprobs(self, prompts: list[list[int]]) -> Any:
+    def _next_token_logprobs(self, prompts: list[list[int]]) -> Any:  # a judge's verdict distribution
         from tinkerless.functions.companions.judge_engine import next_token_logprobs
-
         return next_token_logprobs(self, prompts)
 
     def rollout_multi(self, request: MultiAgentRolloutRequest) -> RolloutResult:

@@ -23,6 +23,8 @@ from typing import Any, Callable
 import numpy as np
 
 from tinkerless.errors import InvalidRequest, TinkerlessError
+from tinkerless.wire.value_rules import between, bounded_text as _bounded_text, endpoint_url as _endpoint_url
+from tinkerless.wire.value_rules import fail as _fail, non_empty as _non_empty, one_of as _one_of, tagged as _tagged
 from tinkerless.wire.content import MAX_IMAGES_PER_MESSAGE, check_request_images, image_part, to_parts
 from tinkerless.storage.names import POLICY_NAME, RUN_ID, check_file_key, check_name
 
@@ -35,10 +37,6 @@ MAX_COUNT = 1 << 16
 MAX_STEP = 2**31 - 1  # steps and policy versions: far past any run, and safe in every int type downstream
 # Adam moves each weight by about the learning rate a step: past this, a few steps overflow the adapter to inf.
 MAX_LEARNING_RATE = 10.0
-
-
-def _fail(path: str, message: str, hint: str | None = None) -> None:
-    raise InvalidRequest(f"{path} {message}", hint=hint or "fix the value in the request (see docs/errors.md)")
 
 
 # ---- generic checks against the annotations -------------------------------------------------
@@ -176,20 +174,6 @@ def _check_dataclass(value: Any, path: str, depth: int) -> None:
 # ---- ranges ---------------------------------------------------------------------------------
 
 
-def between(low: float | None = None, high: float | None = None, *, low_open: bool = False, high_open: bool = False):
-    def rule(value: Any, path: str) -> None:
-        if value is None:
-            return
-        too_low = low is not None and (value <= low if low_open else value < low)
-        too_high = high is not None and (value >= high if high_open else value > high)
-        if too_low or too_high:
-            lo = "" if low is None else f"{'(' if low_open else '['}{low}"
-            hi = "" if high is None else f"{high}{')' if high_open else ']'}"
-            _fail(path, f"is {value!r}, out of range {lo or '(-inf'}, {hi or 'inf)'}")
-
-    return rule
-
-
 def policy_name(value: Any, path: str) -> None:
     if value is not None:
         check_name(value, POLICY_NAME, where=path)
@@ -242,11 +226,6 @@ def trainable_policy(value: Any, path: str) -> None:
         _fail(path, "is the base model, which is shared and never trained", "name one of your own policies")
 
 
-def _non_empty(value: Any, path: str) -> None:
-    if not value:
-        _fail(path, "must not be empty")
-
-
 def _json(value: Any, path: str) -> None:
     _check_plain(value, path, 0)
 
@@ -258,41 +237,6 @@ def _json_object(value: Any, path: str) -> None:
 def _agent_transport(value: Any, path: str) -> None:
     if value not in ("asgi", "http"):
         _fail(path, f"is {str(value)[:40]!r}, not 'asgi' or 'http'")
-
-
-def _one_of(*choices: str) -> Callable[[Any, str], None]:
-    def rule(value: Any, path: str) -> None:
-        if value not in choices:
-            _fail(path, f"is {str(value)[:40]!r}, not one of {', '.join(map(repr, choices))}")
-
-    return rule
-
-
-def _judge_mode(value: Any, path: str) -> None:
-    if value not in ("pointwise", "group"):
-        _fail(path, f"is {str(value)[:40]!r}, not 'pointwise' or 'group'")
-
-
-def _endpoint_url(value: Any, path: str) -> None:
-    if value is not None and (not value.startswith(("http://", "https://")) or len(value) > 2000
-                              or any(c.isspace() or ord(c) < 32 for c in value)):
-        _fail(path, f"is {str(value)[:60]!r}, not an http(s) URL", "e.g. http://127.0.0.1:8000/v1")
-
-
-def _bounded_text(most: int) -> Callable[[Any, str], None]:
-    def rule(value: Any, path: str) -> None:
-        if value is not None and (not value.strip() or len(value) > most):
-            _fail(path, f"must be non-empty text of at most {most} characters")
-
-    return rule
-
-
-def _tagged(module: str, name: str) -> Callable[[Any, str], None]:
-    def rule(value: Any, path: str) -> None:
-        if (type(value).__module__, type(value).__qualname__) != (module, name):
-            _fail(path, f"must be a {name}, got {type(value).__name__}")
-
-    return rule
 
 
 def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
@@ -323,7 +267,7 @@ def _rules() -> dict[type, dict[str, Callable[[Any, str], None]]]:
         m.MultiAgentRolloutRequest: {"group_size": count, "seed": seed, "tasks": _json,
                                      "protocol_timeout": between(0, 86400, low_open=True), "seats": _non_empty},
         m.Seat: {"policy": policy_name},
-        m.JudgeSpec: {"rubric": _bounded_text(20_000), "mode": _judge_mode, "model": _bounded_text(500),
+        m.JudgeSpec: {"rubric": _bounded_text(20_000), "mode": _one_of("pointwise", "group"), "model": _bounded_text(500),
                       "endpoint": _endpoint_url, "weight": between(-1e6, 1e6), "timeout": between(0, 3600, low_open=True),
                       "retries": between(0, 5), "max_tokens": between(1, 256)},
         m.ForwardRequest: {"policy": policy_name, "topk": between(0, MAX_TOPK)},

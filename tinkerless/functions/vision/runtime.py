@@ -37,3 +37,14 @@ class VisionRuntime:
         images = float(sum(len(e.images) for e in episodes))
         return RolloutResult(episodes, {"sampled_tokens": sampled, "seconds": time.perf_counter() - started,
                                         "images": images, **counts.as_stats(), **clock.as_stats()})
+
+
+def attach_vision(worker: Any, image_processor: Any) -> VisionRuntime | None:
+    """The worker's vision runtime when its model came with an image processor (None for a text model); LoRA then
+    targets the language model's layers (and the connector or tower when a policy's config asks)."""
+    if image_processor is None:
+        return None
+    from tinkerless.functions.vision.models import lora_targets
+
+    worker.adapters.resolve_lora = lambda lora: lora_targets(worker.base_model, lora)
+    return VisionRuntime(worker, image_processor)

@@ -26,8 +26,7 @@ from tinkerless.sdk.run.batches import update_batch
 from tinkerless.sdk.backends.base import Backend, device_of, make_backend, with_usage
 from tinkerless.sdk.backends.client import TrainingClient, free_policies
 from tinkerless.sdk.run.pipeline import Readers, RolloutPipeline, VersionView, version_for
-from tinkerless.sdk.evaluation.evaluate import eval_columns, held_out_tasks
-from tinkerless.sdk.evaluation.evaluate import play as play_eval
+from tinkerless.sdk.evaluation.evaluate import eval_columns, held_out_tasks, play as play_eval
 from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.run.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
 from tinkerless.envs.base import is_multi_agent
@@ -42,18 +41,16 @@ from tinkerless.sdk.run.metrics import (
 )
 from tinkerless.sdk.run.multi_agent import build_seats, play_step
 from tinkerless.sdk.run.progress import Progress, final_report
-from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors
 from tinkerless.sdk.run.run_budget import RunBudget, stopped
 from tinkerless.sdk.run.estimate import dry_run as estimate_run
 from tinkerless.sdk.run.reconnect import reconnecting
-from tinkerless.sdk.run.rollouts import step_seed as _step_seed
+from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors, step_seed as _step_seed
 from tinkerless.sdk.run.step_metrics import agent_metrics, agent_result_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
 from tinkerless.sdk.run import distillation, infra_failures, judging, truncation
 from tinkerless.sdk.run.step_warnings import StepWarnings
 from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
-from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE, episode_record
-from tinkerless.sdk.run.transcripts import sample as sample_episodes
+from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE, episode_record, sample as sample_episodes
 from tinkerless.sdk.tracking.runs import finish_run_trackers, open_run_trackers
 from tinkerless.wire.messages import AdamParams, Episode, LoraConfig, PolicyState
 
@@ -339,7 +336,6 @@ class _Run:
             # global barrier: every policy's rollouts are in
             self.coordinator.wait_rollouts(step, timeout=config.protocol_timeout)
         timings["rollout_s"] = time.perf_counter() - started
-        # Infrastructure failures left after their retries are out of the step: not errors, not rewards.
         episodes, dropped = infra_failures.split(episodes, step, config.infra_retries)  # out of the step: not rewards
         check_errors(episodes, config, step)
 
