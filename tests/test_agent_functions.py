@@ -165,8 +165,10 @@ def test_concurrent_copies_are_batched_into_one_generation(worker):
     try:
         episodes = _play(worker, one_call, [{"q": "a"}, {"q": "b"}], group_size=8, max_tokens=8)
         assert all(e.status == "ok" for e in episodes) and len(episodes) == 16
-        # Every copy waits on the model at once: their 16 calls are decoded as one batch of 16 rows.
-        assert batcher.widest == 16, f"at most {batcher.widest} rows decoded together"
+        # Every copy waits on the model at once: their 16 calls are decoded as one batch, of every row whose
+        # first token (drawn from the prefill) did not end it already.
+        decoding = sum(int(e.mask.sum()) > 1 for e in episodes)
+        assert decoding >= 12 and batcher.widest == decoding, f"{batcher.widest} of {decoding} rows decoded together"
     finally:
         batcher.widest = max(before, batcher.widest)
 
