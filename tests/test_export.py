@@ -25,7 +25,9 @@ MESSAGES = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "
 
 
 def _vowels(completion, task):
-    return sum(c in "aeiou" for c in completion) / max(len(completion), 1)
+    # Vowels, plus a little for any ASCII: the tiny random model's byte soup rarely holds a vowel, and a group whose
+    # rewards all tie trains nothing; this varies within every group whatever the draws.
+    return sum((c in "aeiou") + 0.1 * c.isascii() for c in completion) / max(len(completion), 1)
 
 
 @pytest.fixture(scope="module")
