@@ -114,7 +114,8 @@ async def two_replies(client, task):
     second = first + [{"role": "assistant", "content": reply.choices[0].message.content or ""},
                       {"role": "user", "content": "again"}]
     again = await client.chat.completions.create(model="policy", messages=second, logprobs=True)
-    return sum(c in "aeiou" for c in again.choices[0].message.content or "") / 10
+    # Vowels, plus a little for any ASCII: it varies within a group whatever the tiny model's byte soup draws.
+    return sum((c in "aeiou") + 0.1 * c.isascii() for c in again.choices[0].message.content or "") / 10
 
 
 def _untrained_between_turns(mask: np.ndarray) -> bool:
