@@ -185,16 +185,25 @@ def template_messages(tokenizer, messages: Any, tools: list[Any] | None = None) 
     return rendered, (checked if template_tools else None)
 
 
-def render_chat(tokenizer, messages: Any, tools: list[Any] | None = None) -> list[int]:
-    """The prompt token ids of `messages` (+ `tools`) with the generation prompt, as the model's template writes them."""
+def render_chat(tokenizer, messages: Any, tools: list[Any] | None = None, *, continue_final: bool = False) -> list[int]:
+    """The prompt token ids of `messages` (+ `tools`) with the generation prompt, as the model's template writes them.
+
+    With `continue_final` (a prefill: the last message is the assistant's start of its reply), that message is
+    rendered open, as the template writes it up to its end-of-turn, and the reply continues it."""
     rendered, template_tools = template_messages(tokenizer, messages, tools)
     has_tools = bool(tools)  # checked by template_messages: a non-empty list of function tools
     fmt = chat_format(tokenizer)
+    if continue_final and (rendered[-1]["role"] != "assistant" or rendered[-1].get("tool_calls")):
+        raise OpenAIError("only a last assistant turn of text can be continued", param="messages",
+                          code="unsupported_prefill", hint="end with a user turn, or an assistant turn of text")
     if not fmt.has_template:
+        if continue_final:  # the plain transcript of `ChatFormat.render`, its last "assistant: ..." line left open
+            return fmt.encode("\n".join(f"{m['role']}: {m['content']}" for m in rendered))
         return fmt.prompt_tokens(rendered)
     try:
         text = tokenizer.apply_chat_template(
-            rendered, tools=template_tools, add_generation_prompt=True, tokenize=False
+            rendered, tools=template_tools, add_generation_prompt=not continue_final,
+            continue_final_message=continue_final, tokenize=False
         )
     except Exception as exc:  # a template error is about what the caller sent (roles, order, schemas)
         raise OpenAIError(

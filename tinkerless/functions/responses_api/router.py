@@ -61,7 +61,7 @@ def responses_router(backend: CompletionBackend, *, caller: Callable[[Request], 
             chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
             calls.refuse_long_text(_characters(chat), "input")
             tools = tools_for_choice(body.tool_choice, to_tools(body.tools))
-            prompt_ids, stop_ids = await calls.render(chat, tools)
+            prompt_ids, stop_ids, images = await calls.render(chat, tools)
             constrained, schema = body.json_schema
             grammar = None
             forced = None if not tools or body.tool_choice in (None, "auto", "none") else \
@@ -75,7 +75,8 @@ def responses_router(backend: CompletionBackend, *, caller: Callable[[Request], 
             elif forced is not None:  # tool_choice "required" or a named function: one call, enforced
                 grammar = await calls.forced_call(tools, forced or None, stop_ids, "tools")
             sampling = calls.sampling(prompt_ids, stop_ids, max_tokens=body.max_output_tokens,
-                                      temperature=body.temperature, top_p=body.top_p, stop_strings=[], grammar=grammar)
+                                      temperature=body.temperature, top_p=body.top_p, stop_strings=[], grammar=grammar,
+                                      images=images)
             reply = ResponseReply(body, len(prompt_ids), tools)
             tokenizer = backend.tokenizer()
 
