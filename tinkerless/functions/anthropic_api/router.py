@@ -19,7 +19,7 @@ from tinkerless.functions.anthropic_api.replies import MessageReply
 from tinkerless.functions.anthropic_api.schemas import MessagesRequest
 from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError
 from tinkerless.functions.openai_api.calls import MAX_BODY_BYTES, ModelCalls
-from tinkerless.functions.openai_api.render import parse_tool_calls
+from tinkerless.functions.openai_api.render import parse_tool_calls, strict_tool_names
 from tinkerless.functions.openai_api.router import _characters, error_body
 from tinkerless.functions.openai_api.streaming import ChoiceText, named_frame, sse_response, text_then_calls
 
@@ -76,6 +76,8 @@ def messages_router(backend: CompletionBackend, *, caller: Callable[[Request], s
                 tools = []
             elif forced is not None:  # tool_choice "any" or a named tool: one tool_use, enforced
                 grammar = await calls.forced_call(tools, forced or None, stop_ids, "tools")
+            elif tools:  # tool_choice auto: a call the model opens of a `strict: true` tool follows its schema
+                grammar = await calls.strict_calls(tools, strict_tool_names(body.tools, nested=False), stop_ids)
             sampling = calls.sampling(prompt_ids, stop_ids, max_tokens=body.max_tokens, temperature=body.temperature,
                                       top_p=body.top_p, top_k=body.top_k, stop_strings=body.stop_sequences or [],
                                       grammar=grammar, images=images)

@@ -120,6 +120,16 @@ class ModelCalls:
 
         return await self.grammar(None, stop_ids, param, lark=tool_call_grammar(tools, name))
 
+    async def strict_calls(self, tools: list[dict], strict: set[str], stop_ids: list[int]):
+        """Under tool_choice auto: the grammar that holds every tool call the reply opens to its tool's schema when
+        some tool is `strict: true` (`render.strict_tools_grammar`); None when none is (nothing is masked)."""
+        from tinkerless.functions.openai_api.render import strict_tools_grammar
+
+        strict = strict & {t["function"]["name"] for t in tools}
+        if not strict:
+            return None
+        return await self.grammar(None, stop_ids, "tools", lark=strict_tools_grammar(tools, strict))
+
     def sampling(self, prompt_ids: list[int], stop_ids: list[int], *, max_tokens: int | None, temperature: float | None,
                  top_p: float | None, stop_strings: list[str], n: int = 1, seed: int | None = None,
                  top_logprobs: int = 0, top_k: int | None = None, grammar=None, images: tuple = ()) -> TokenSampling:

@@ -246,14 +246,42 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     return ("".join(kept).rstrip() or None), calls
 
 
+def strict_tool_names(tools: Any, *, nested: bool) -> set[str]:
+    """The names of the tools a request marks `strict: true` (Chat Completions: `tools[i].function.strict`; Responses
+    and Messages: `tools[i].strict`), read from the raw (already checked) tools; strictness is kept out of the
+    tools the template renders, so marking a tool strict never changes its prompt."""
+    names = set()
+    for tool in tools if isinstance(tools, list) else ():
+        entry = tool.get("function") if nested and isinstance(tool, dict) else tool
+        if isinstance(entry, dict) and entry.get("strict") is True and isinstance(entry.get("name"), str):
+            names.add(entry["name"])
+    return names
+
+
+def _call_schemas(functions: list[dict], strict: set[str] | None = None) -> dict:
+    """The JSON schema of one tool call's JSON, `{"name": ..., "arguments": {...}}`, of any of `functions`: the
+    arguments follow the tool's parameters (with `strict`, only the named tools' do; the others' are any object)."""
+    calls = [{"type": "object", "properties": {
+        "name": {"const": f["name"]},
+        "arguments": f["parameters"] if strict is None or f["name"] in strict else {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    return {"anyOf": calls, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
+
+
+def strict_tools_grammar(tools: list[dict], strict: set[str]) -> str:
+    """A Lark grammar (llguidance's) for a reply under tool_choice auto with `strict: true` tools: free text, in which
+    every `<tool_call>` the model opens is a call of one of `tools` whose arguments follow its parameters when the
+    tool is strict. The text before each call is a lazy lexeme ending at the first `<tool_call>` (llguidance's
+    pattern for tool calls in running text, its `StructTag`), so no unchecked call can hide in the text."""
+    schema = _call_schemas([t["function"] for t in tools], strict)
+    return ('start: call* tail\ntail: TEXT\nTEXT: /(.|\\n)*/\nopening[lazy]: TEXT "<tool_call>"\n'
+            f'call: opening %json {json.dumps(schema)} "</tool_call>"')
+
+
 def tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
     """A Lark grammar (llguidance's, `sampling.constraints`) for a reply that is exactly one tool call in the format
     `parse_tool_calls` reads: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the arguments following
     the tool's parameters schema. With `name`, that tool only; else any of `tools` (checked OpenAI function tools)."""
-    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
-    schema = {"anyOf": calls, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                                             "item_separator": ", "}}
+    schema = _call_schemas([t["function"] for t in tools if name is None or t["function"]["name"] == name])
     return f'start: "<tool_call>" call "</tool_call>"\ncall: %json {json.dumps(schema)}'
 

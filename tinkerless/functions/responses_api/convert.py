@@ -120,7 +120,8 @@ def items_to_chat(items: Any) -> list[dict]:
 
 
 def to_tools(tools: list[Any] | None) -> list[dict]:
-    """Responses function tools as checked Chat Completions function tools (`strict` is read, not enforced)."""
+    """Responses function tools as checked Chat Completions function tools (`strict: true` is enforced under
+    tool_choice auto by the router: `render.strict_tools_grammar`)."""
     converted = []
     for i, tool in enumerate(tools or []):
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
