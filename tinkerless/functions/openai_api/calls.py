@@ -128,7 +128,9 @@ class ModelCalls:
         strict = strict & {t["function"]["name"] for t in tools}
         if not strict:
             return None
-        return await self.grammar(None, stop_ids, "tools", lark=strict_tools_grammar(tools, strict))
+        grammar = await self.grammar(None, stop_ids, "tools", lark=strict_tools_grammar(tools, strict))
+        grammar.required = False  # an engine that cannot mask samples unconstrained, as before (docs/structured-outputs.md)
+        return grammar
 
     def sampling(self, prompt_ids: list[int], stop_ids: list[int], *, max_tokens: int | None, temperature: float | None,
                  top_p: float | None, stop_strings: list[str], n: int = 1, seed: int | None = None,
