@@ -25,8 +25,7 @@ import torch
 from tinkerless.errors import ConfigError, ProtocolError, UserError
 from tinkerless.functions.rollout import requests as rollout_requests
 from tinkerless.functions.policies import Policy, PolicyAdapters
-from tinkerless.functions.training import forward_backward as training
-from tinkerless.functions.training import topk_distillation
+from tinkerless.functions.training import forward_backward as training, topk_distillation
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.rollout.recording import check_sampled_versions
 from tinkerless.functions.sampling.engine import TransformersEngine
@@ -40,29 +39,10 @@ from tinkerless.wire import decode_message, encode_message
 from tinkerless.wire.code import CodeBlob
 from tinkerless.wire.replies import error_reply
 from tinkerless.wire.validate import validate
-from tinkerless.wire.messages import (
-    BASE_POLICY,
-    CreatePolicyRequest,
-    ForwardBackwardRequest,
-    ForwardBackwardResult,
-    ForwardRequest,
-    ForwardResult,
-    LoadStateRequest,
-    MultiAgentRolloutRequest,
-    OptimStepRequest,
-    OptimStepResult,
-    PolicyState,
-    ResetPolicyRequest,
-    DeletePolicyRequest,
-    RolloutRequest,
-    RolloutResult,
-    SampledSequence,
-    SampleRequest,
-    SampleResult,
-    SaveStateRequest,
-    UpdateRequest,
-    UpdateResult,
-)
+from tinkerless.wire.messages import (BASE_POLICY, CreatePolicyRequest, ForwardBackwardRequest, ForwardBackwardResult,
+    ForwardRequest, ForwardResult, LoadStateRequest, MultiAgentRolloutRequest, OptimStepRequest, OptimStepResult,
+    PolicyState, ResetPolicyRequest, DeletePolicyRequest, RolloutRequest, RolloutResult, SampledSequence,
+    SampleRequest, SampleResult, SaveStateRequest, UpdateRequest, UpdateResult)
 
 # transformers 5 warns about its own internal call when peft wraps a model; it is not actionable.
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)

@@ -26,27 +26,19 @@ from tinkerless.sdk.run.batches import update_batch
 from tinkerless.sdk.backends.base import Backend, device_of, make_backend, with_usage
 from tinkerless.sdk.backends.client import TrainingClient, free_policies
 from tinkerless.sdk.run.pipeline import Readers, RolloutPipeline, VersionView, version_for
-from tinkerless.sdk.evaluation.evaluate import eval_columns, held_out_tasks
-from tinkerless.sdk.evaluation.evaluate import play as play_eval
+from tinkerless.sdk.evaluation.evaluate import eval_columns, held_out_tasks, play as play_eval
 from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.run.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
 from tinkerless.envs.base import is_multi_agent
 from tinkerless.sdk.run.agents import frozen_adapters, trainable_policies
 from tinkerless.sdk.run.checkpointing import CLIENT_STATE_FILE, Checkpoints, _policy_prefix
-from tinkerless.sdk.run.metrics import (
-    MetricsWriter,
-    plot_metrics,
-    plot_outcomes,
-    read_metrics,
-    reward_summary,
-)
+from tinkerless.sdk.run.metrics import (MetricsWriter, plot_metrics, plot_outcomes, read_metrics, reward_summary)
 from tinkerless.sdk.run.multi_agent import build_seats, play_step
 from tinkerless.sdk.run.progress import Progress, final_report
-from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors
+from tinkerless.sdk.run.rollouts import RolloutRequests, check_errors, step_seed as _step_seed
 from tinkerless.sdk.run.run_budget import RunBudget, stopped
 from tinkerless.sdk.run.estimate import dry_run as estimate_run
 from tinkerless.sdk.run.reconnect import reconnecting
-from tinkerless.sdk.run.rollouts import step_seed as _step_seed
 from tinkerless.sdk.run.step_metrics import agent_metrics, agent_result_metrics, mean, step_record
 from tinkerless.sdk.backends.run_host import run_host_for
 from tinkerless.sdk.run import distillation, infra_failures, judging, truncation
