@@ -12,6 +12,8 @@ import anthropic
 import openai
 import pytest
 
+import tinkerless
+
 from tests.scripted_model import openai_client
 from tests.test_vision import _bomb_png, data_url, png
 from tinkerless.functions.worker import Worker
@@ -32,10 +34,10 @@ def served_vlm(request, tmp_path_factory):
     build = build_tiny_llava if request.param == "llava" else build_tiny_qwen25_vl
     path = build(tmp_path_factory.mktemp("vlm") / request.param)
     storage = tmp_path_factory.mktemp("vlm-server")
-    app = create_app(Worker(path), keys=KeyStore(ObjectStore(str(storage)), extra_keys={KEY: "alice"}),
-                     storage=str(storage))
+    worker = Worker(path)
+    app = create_app(worker, keys=KeyStore(ObjectStore(str(storage)), extra_keys={KEY: "alice"}), storage=str(storage))
     with serve_in_thread(app) as url:
-        yield url, app.state.openai.base_model
+        yield url, app.state.openai.base_model, worker
 
 
 def _claude(url: str) -> anthropic.Anthropic:
@@ -53,7 +55,7 @@ def _chat(url: str, model: str, parts: list[dict], max_tokens: int):
 
 @pytest.mark.parametrize("layout", ["text then image", "image then text", "two images"])
 def test_anthropic_image_blocks_are_the_chat_completions_image_parts(served_vlm, layout):
-    url, model = served_vlm
+    url, model, _ = served_vlm
     first, second = png(37, 23, seed=1), png(20, 41, seed=2)
     blocks = {"text then image": [("text", "What is it?"), ("image", first)],
               "image then text": [("image", first), ("text", "Describe.")],
@@ -77,7 +79,7 @@ def test_anthropic_image_blocks_are_the_chat_completions_image_parts(served_vlm,
 
 @pytest.mark.parametrize("layout", ["image only", "text and image"])
 def test_responses_input_images_are_the_chat_completions_image_parts(served_vlm, layout):
-    url, model = served_vlm
+    url, model, _ = served_vlm
     picture = png(31, 29, seed=3)
     items = [{"type": "input_image", "image_url": data_url(picture)}]
     parts = [{"type": "image_url", "image_url": {"url": data_url(picture)}}]
@@ -114,7 +116,7 @@ HOSTILE_SOURCES = {  # Anthropic image sources a server must refuse, and a word 
 
 
 def test_hostile_anthropic_images_are_400s_in_anthropics_shape(served_vlm):
-    url, model = served_vlm
+    url, model, _ = served_vlm
     client = _claude(url)
     for name, (source, word) in HOSTILE_SOURCES.items():
         with pytest.raises(anthropic.BadRequestError) as refused:
@@ -137,7 +139,7 @@ def test_hostile_anthropic_images_are_400s_in_anthropics_shape(served_vlm):
 
 
 def test_hostile_responses_images_are_400s_in_openais_shape(served_vlm):
-    url, model = served_vlm
+    url, model, _ = served_vlm
     client = openai_client(url, KEY)
     hostile = {"http URL": ({"image_url": "http://127.0.0.1:1/x.png"}, "never fetches"),
                "file id": ({"file_id": "file_123"}, "file_id"),
@@ -168,3 +170,53 @@ def test_a_text_only_model_refuses_images_on_both_routes(tiny_model, tmp_path):
         with pytest.raises(openai.BadRequestError, match="vision-language model"):
             openai_client(url, KEY).responses.create(model=model, max_output_tokens=2, input=[
                 {"role": "user", "content": [{"type": "input_image", "image_url": data_url(picture)}]}])
+
+
+@tinkerless.agent
+async def looks_twice(client, task):
+    """An Anthropic image block, then the conversation sent back through Responses with a second input_image:
+    one sequence holding two images."""
+    claude = tinkerless.anthropic_client(client)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": task["b64"]}}
+    r1 = await claude.messages.create(model="policy", max_tokens=3, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "colour?"}, block]}])
+    text = "".join(b.text for b in r1.content if b.type == "text")
+    r2 = await client.responses.create(model="policy", max_output_tokens=3, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "colour?"},
+                                     {"type": "input_image", "image_url": f"data:image/png;base64,{task['b64']}"}]},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": [{"type": "input_image", "image_url": f"data:image/png;base64,{task['b64']}"},
+                                     {"type": "input_text", "text": "again?"}]}])
+    return tinkerless.AgentResult(reward=1.0, metrics={"drawn": r1.usage.output_tokens + r2.usage.output_tokens})
+
+
+def test_agent_functions_send_images_through_messages_and_responses_and_train_on_them(served_vlm):
+    """An @tinkerless.agent whose Anthropic and Responses calls carry images: one sequence, its images recorded,
+    image tokens never trained, and the update's log-probs equal the sampler's."""
+    import numpy as np
+
+    from tinkerless.wire import pack_code
+    from tinkerless.wire.messages import (CreatePolicyRequest, Datum, EpisodeLimits, ForwardRequest, RolloutRequest,
+                                          SamplingParams)
+
+    _, _, worker = served_vlm
+    if "p-img" not in worker.policies:
+        worker.create_policy(CreatePolicyRequest("p-img"))
+    tasks = [{"b64": _b64(png(30, 20, seed=s))} for s in (5, 6)]
+    request = RolloutRequest("p-img", tasks, 1, SamplingParams(max_tokens=3), EpisodeLimits(max_turns=4), seed=1,
+                             agent=pack_code(looks_twice))
+    from tinkerless.wire import decode_message, encode_message
+
+    result = decode_message(worker.handle("rollout", encode_message(request)))
+    assert all(e.status == "ok" and e.num_turns == 2 and not e.extra_sequences for e in result.episodes), \
+        [e.traceback for e in result.episodes]
+    image_token = worker.vision.processor.image_token_id
+    for e in result.episodes:
+        assert len(e.images) == 2 and (e.tokens == image_token).sum() == sum(i.num_tokens for i in e.images)
+        assert (e.mask[e.tokens == image_token] == 0).all() and e.mask.sum() == e.info["agent_metrics"]["drawn"]
+    data = [Datum(e.tokens, e.mask, sampler_logprobs=e.sampler_logprobs, advantages=e.mask, images=e.images)
+            for e in result.episodes]
+    forward = decode_message(worker.handle("forward", encode_message(ForwardRequest("p-img", data))))
+    for lp, e in zip(forward.logprobs, result.episodes):
+        trained = e.mask > 0
+        assert float(np.abs(lp[trained] - e.sampler_logprobs[trained]).max(initial=0.0)) < 1e-4
