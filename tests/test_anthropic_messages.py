@@ -131,9 +131,15 @@ def test_errors_are_anthropics_shape_with_the_right_class(server):
         ({"max_tokens": LONG + 1}, "max_tokens"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type":
                                                                                   "image/png", "data": "AA=="}}]}]},
-         "messages.0.content.0.type"),
+         "messages"),  # a text-only model: images need a vision-language model (tests/test_api_images.py)
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-        ({"messages": [*hi, {"role": "assistant", "content": "prefill"}]}, "messages.1"),
+        ({"messages": [*hi, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "calculator",
+                                                               "input": {}}]}]}, "messages.1"),
+        ({"messages": [*hi, {"role": "assistant", "content": "{"}], "output_config": {"format": {
+            "type": "json_schema", "schema": {"type": "object"}}}}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url":
+                                                                                  "http://127.0.0.1:1/x.png"}}]}]},
+         "messages.0.content.0.source"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
         ({"tools": [{"name": "has space", "input_schema": {"type": "object"}}]}, "tools.0.name"),
         ({"tools": [CALC_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
@@ -155,6 +161,23 @@ def test_errors_are_anthropics_shape_with_the_right_class(server):
     keyed = httpx.post(f"{url}/v1/messages", headers={"x-api-key": KEY}, timeout=30,
                        json={"model": base(app), "max_tokens": 2, "messages": hi})
     assert keyed.status_code == 200 and keyed.json()["usage"]["output_tokens"] == 2
+
+
+@pytest.mark.parametrize("prefill", ["Sure", "The answer is", " {\"a\": ", "é字\n-"])
+def test_a_prefill_is_continued_from_the_template_rendering_left_open(server, prefill):
+    """A last assistant turn is rendered as the template writes it, without its end of turn, and the reply is the
+    greedy continuation of exactly those tokens (the raw /v1/completions of the same ids); only the new text comes
+    back, as Anthropic's does."""
+    url, app, worker = server
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+    message = claude(url).messages.create(model=base(app), max_tokens=8, extra_body=GREEDY, system="Be brief.",
+                                          messages=[chat[1], {"role": "assistant", "content": prefill}])
+    prompt = render_chat(worker.tokenizer, [*chat, {"role": "assistant", "content": prefill}], continue_final=True)
+    closed = worker.tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": prefill}], tokenize=False)
+    assert closed.startswith(worker.tokenizer.decode(prompt)) and worker.tokenizer.decode(prompt).endswith(prefill)
+    raw = openai_client(url, KEY).completions.create(model=base(app), prompt=prompt, max_tokens=8, temperature=0)
+    assert message.usage.input_tokens == len(prompt)
+    assert message.content[0].text == raw.choices[0].text.split("<|im_end|>")[0]
 
 
 def test_an_abandoned_message_is_cancelled(server):

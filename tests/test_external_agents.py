@@ -98,3 +98,71 @@ def test_an_external_agent_refuses_a_non_loopback_endpoint():
         asyncio.run(agent(client, {}))
     with pytest.raises(tinkerless.errors.UserCodeError):
         tinkerless.external_agent([])
+
+
+TIMED = r"""
+set -eu
+date +%s.%N > "$OUT/start-$$"
+auth="Authorization: Bearer $TINKERLESS_API_KEY"
+curl -sS -o /dev/null -H "$auth" -H 'Content-Type: application/json' "$OPENAI_BASE_URL/chat/completions" \
+  -d '{"model": "policy", "messages": [{"role": "user", "content": "hi"}]}'
+curl -sS -o /dev/null -H "$auth" -H 'Content-Type: application/json' "$ANTHROPIC_BASE_URL/v1/messages" \
+  -d '{"model": "policy", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}'
+date +%s.%N > "$OUT/end-$$"
+curl -sS -o /dev/null -H "$auth" -H 'Content-Type: application/json' "$TINKERLESS_REWARD_URL" -d '{"reward": 1}'
+"""
+
+
+def test_the_capture_endpoints_calls_count_against_the_keys_budget(worker, tmp_path):
+    """Through `tinkerless serve` (in-process agents, keys with budgets): a rollout whose agent is an external program
+    is a metered call like any other. Its key is charged for the whole rollout, the program's calls through the
+    capture endpoint included; a key whose budget is spent is refused (402) before the program starts."""
+    import httpx
+
+    from tinkerless.server import create_app, serve_in_thread
+    from tinkerless.server.keys import KeyStore
+    from tinkerless.storage import ObjectStore
+    from tinkerless.wire import decode_message, encode_message, pack_code
+    from tinkerless.wire.http import COMPUTE_SECONDS_HEADER
+    from tinkerless.wire.messages import ErrorReply, RolloutRequest, RolloutResult
+
+    (tmp_path / "agent.sh").write_text(TIMED)
+    out = tmp_path / "out"
+    out.mkdir()
+    agent = tinkerless.external_agent(["bash", str(tmp_path / "agent.sh")], env={"OUT": str(out)})
+    request = encode_message(RolloutRequest(
+        policy=BASE_POLICY, tasks=[{"id": "a"}, {"id": "b"}], group_size=1, seed=0, agent=pack_code(agent),
+        sampling=SamplingParams(max_tokens=4, temperature=1.0), limits=EpisodeLimits(8, 4096), agent_transport="http"))
+    keys = KeyStore(ObjectStore(str(tmp_path / "storage")))
+    price = 3600.0  # $ per hour: a second of compute costs $1
+
+    def rollout(key: str) -> httpx.Response:
+        return httpx.post(f"{url}/v1/call/rollout", content=request, timeout=120,
+                          headers={"Content-Type": "application/msgpack", "Authorization": f"Bearer {key}"})
+
+    def usage(key: str) -> dict:
+        return httpx.get(f"{url}/v1/usage", headers={"Authorization": f"Bearer {key}"}).json()
+
+    with serve_in_thread(create_app(worker, keys=keys, storage=str(tmp_path / "storage"), price_per_hour=price)) as url:
+        spent_key = keys.create("lab", budget_usd=0.0)
+        refused = rollout(spent_key)
+        assert refused.status_code == 402 and decode_message(refused.content).type == "BudgetExceeded"
+        assert list(out.iterdir()) == [] and usage(spent_key)["calls"] == 0  # the program never started
+
+        key = keys.create("lab", budget_usd=1000.0)
+        answer = rollout(key)
+        result = decode_message(answer.content)
+        assert answer.status_code == 200 and isinstance(result, RolloutResult), result
+        assert [e.status for e in result.episodes] == ["ok", "ok"] and all(e.num_turns == 2 for e in result.episodes)
+        charged = float(answer.headers[COMPUTE_SECONDS_HEADER])
+        programs = [float((out / f"end-{p.name[6:]}").read_text()) - float(p.read_text()) for p in out.glob("start-*")]
+        assert len(programs) == 2 and charged >= max(programs)  # the program's calls are inside the metered call
+        after = usage(key)
+        assert after["calls"] == 1 and after["spent_usd"] == pytest.approx(charged * price / 3600, abs=1e-3)  # (the header: 6 decimals)
+
+        keys.set_budget(key.split("-")[1], after["spent_usd"])  # now spent: the next rollout never reaches the program
+        for path in out.iterdir():
+            path.unlink()
+        again = rollout(key)
+        assert again.status_code == 402 and isinstance(decode_message(again.content), ErrorReply)
+        assert list(out.iterdir()) == [] and usage(key)["calls"] == 1

@@ -208,3 +208,108 @@ def test_a_required_or_named_tool_call_is_enforced_on_every_api(server):
                 "input_schema": t["function"]["parameters"]} for t in (WEATHER, CLOCK)])
     assert message.stop_reason == "tool_use" and message.content[-1].name == "weather"
     jsonschema.validate(message.content[-1].input, schemas["weather"])
+
+
+NOTE = {"type": "function", "function": {"name": "note", "description": "Keep a note.", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "maxLength": 8}, "stars": {"type": "integer",
+                                                                                           "minimum": 1, "maximum": 5}},
+    "required": ["text", "stars"], "additionalProperties": False}}}
+# What a policy might try to write: tool calls whose arguments break their schema (or name no tool)
+ATTEMPTS = ['Sure. <tool_call>{"name": "weather", "arguments": {"city": "Rome", "days": 9}}</tool_call>',
+            '<tool_call>{"name": "clock", "arguments": {"utc": "yes"}}</tool_call>',
+            'a <tool_call>{"name": "note", "arguments": {"text": "far too long a note", "stars": 0}}</tool_call>',
+            '<tool_call>{"name": "calc", "arguments": {}}</tool_call> and <tool_call>{"name": "clock"}</tool_call>',
+            'no call at all, <tool_call is not a call']
+
+
+def _steered(worker, attempt: str, grammar, seed: int) -> str:
+    """The sampler's masked draw (`constraints.mask_logits`) from random logits steered hard toward `attempt`'s
+    next byte while the draws still follow it: what a policy that wants to write `attempt` gets under `grammar`."""
+    from tinkerless.functions.openai_api.render import chat_format
+    from tinkerless.functions.sampling.constraints import mask_logits
+
+    tokenizer = worker.tokenizer
+    wanted, stops = tokenizer.encode(attempt, add_special_tokens=False), chat_format(tokenizer).eos_token_ids
+    constraint = grammar.constraint() if grammar is not None else None
+    generator, drawn = torch.Generator().manual_seed(seed), []
+    for _ in range(160):
+        logits = torch.randn(1, len(tokenizer), generator=generator)
+        following = drawn == wanted[:len(drawn)]
+        logits[0, wanted[len(drawn)] if following and len(drawn) < len(wanted) else stops[0]] += 25.0
+        token = int(torch.multinomial(torch.softmax(mask_logits(logits, [constraint]), -1), 1, generator=generator))
+        if token in stops:
+            break
+        drawn.append(token)
+        if constraint is not None:
+            constraint.advance(token)
+    return tokenizer.decode(drawn)
+
+
+def test_strict_tools_under_auto_hold_every_call_a_policy_opens_to_its_schema(server):
+    """The grammar of tool_choice auto with strict tools, in the sampler's own mask: free text stays free, and every
+    call opened follows its tool's schema (or names a tool); unmasked, the same steering writes the broken calls."""
+    from tinkerless.functions.openai_api.render import chat_format, parse_tool_calls, strict_tools_grammar
+    from tinkerless.functions.sampling.constraints import Grammar
+
+    _, _, worker = server
+    tokenizer, tools = worker.tokenizer, [WEATHER, CLOCK, NOTE]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    grammar = Grammar(tokenizer, None, chat_format(tokenizer).eos_token_ids, len(tokenizer),
+                      lark=strict_tools_grammar(tools, set(schemas)))
+    opened = 0
+    for i, attempt in enumerate(ATTEMPTS):
+        free = _steered(worker, attempt, None, i)
+        assert free == attempt and all(  # the steering writes the attempt when nothing masks it
+            not c["function"]["name"] in schemas or not _valid(json.loads(c["function"]["arguments"]),
+                                                               schemas[c["function"]["name"]])
+            for c in parse_tool_calls(free)[1])
+        for seed in range(4):
+            text = _steered(worker, attempt, grammar, 100 * i + seed)
+            content, calls = parse_tool_calls(text)
+            opened += text.count("<tool_call>")
+            assert text.count("<tool_call>") == len(calls) or not text.endswith("</tool_call>"), text
+            for call in calls:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+            if "<tool_call>" not in attempt:
+                assert text == attempt  # text without a call is not masked at all
+    assert opened >= 12
+
+
+def _valid(value, schema) -> bool:
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+def test_strict_tools_under_auto_are_enforced_on_every_api(server):
+    """On every API, a strict tool under tool_choice auto compiles its grammar (a schema the library cannot compile
+    is a 400 naming the construct, as only an enforced schema would be), replies follow it, and the same tool without
+    strict is not constrained (accepted whatever its schema)."""
+    url, app, _ = server
+    client = openai_client(url, KEY)
+    claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    broken = {"type": "object", "if": {}}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK, NOTE)}
+
+    def ask(api: str, tools: list[dict], strict: bool):
+        if api == "chat":
+            reply = client.chat.completions.create(model=base(app), messages=ASK, max_tokens=40, n=2, seed=3, tools=[
+                {"type": "function", "function": {**t["function"], "strict": strict}} for t in tools])
+            return [(c.function.name, json.loads(c.function.arguments)) for ch in reply.choices
+                    for c in ch.message.tool_calls or []]
+        if api == "responses":
+            reply = client.responses.create(model=base(app), input="Weather?", max_output_tokens=40, tools=[
+                {"type": "function", "strict": strict, **t["function"]} for t in tools])
+            assert all(t.strict == strict for t in reply.tools)
+            return [(i.name, json.loads(i.arguments)) for i in reply.output if i.type == "function_call"]
+        reply = claude.messages.create(model=base(app), max_tokens=40, messages=ASK, tools=[
+            {"name": t["function"]["name"], "description": t["function"]["description"], "strict": strict,
+             "input_schema": t["function"]["parameters"]} for t in tools])
+        return [(b.name, b.input) for b in reply.content if b.type == "tool_use"]
+
+    bad_tool = {"type": "function", "function": {"name": "bad", "description": "", "parameters": broken}}
+    for api, refused in (("chat", openai.BadRequestError), ("responses", openai.BadRequestError),
+                         ("messages", anthropic.BadRequestError)):
+        for name, arguments in ask(api, [WEATHER, CLOCK, NOTE], True):
+            jsonschema.validate(arguments, schemas[name])
+        with pytest.raises(refused, match="Unimplemented keys: \\[\"if\"\\]"):
+            ask(api, [WEATHER, bad_tool], True)
+        ask(api, [WEATHER, bad_tool], False)  # not strict: rendered, not compiled, not enforced

@@ -25,8 +25,7 @@ import torch
 from tinkerless.errors import ConfigError, ProtocolError, UserError
 from tinkerless.functions.rollout import requests as rollout_requests
 from tinkerless.functions.policies import Policy, PolicyAdapters
-from tinkerless.functions.training import forward_backward as training
-from tinkerless.functions.training import topk_distillation
+from tinkerless.functions.training import forward_backward as training, topk_distillation
 from tinkerless.functions.rollout.chat import ChatFormat
 from tinkerless.functions.rollout.recording import check_sampled_versions
 from tinkerless.functions.sampling.engine import TransformersEngine

@@ -6,8 +6,8 @@
 - `content`: content parts (text and images) of messages, tasks and observations, checked under the image limits,
   and the processed images a datum carries;
 - `runs`: coordinator calls and checkpoints of a run hosted by a server;
-- `validate` / `run_calls`: every value a client sends, checked at the boundary (`value_rules`: the rules for one
-  field they share);
+- `validate` / `run_calls` / `tasks`: every value a client sends, checked at the boundary (`tasks`: a single-turn
+  rollout's messages and images; `value_rules`: the rules for one field they share);
 - `http`: the HTTP transport's header names and its size-limited body reader;
 - `replies`: an `ErrorReply` raised back as the error it reports.
 """

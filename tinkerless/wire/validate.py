@@ -25,8 +25,9 @@ import numpy as np
 from tinkerless.errors import InvalidRequest, TinkerlessError
 from tinkerless.wire.value_rules import between, bounded_text as _bounded_text, endpoint_url as _endpoint_url
 from tinkerless.wire.value_rules import fail as _fail, non_empty as _non_empty, one_of as _one_of, tagged as _tagged
-from tinkerless.wire.content import MAX_IMAGES_PER_MESSAGE, check_request_images, image_part, to_parts
+from tinkerless.wire.content import check_request_images
 from tinkerless.storage.names import POLICY_NAME, RUN_ID, check_file_key, check_name
+from tinkerless.wire.tasks import check_single_turn_tasks
 
 MAX_DEPTH = 32  # nesting of plain data (tasks, metadata); real requests use a handful of levels
 MAX_SEED = 2**63 - 1
@@ -367,45 +368,6 @@ def _topk_targets(datum: Any, path: str) -> None:
         _fail(f"{path}.target_topk_logprobs", "must hold finite log-probs (<= 0)")
 
 
-MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def _single_turn_tasks(request: Any) -> None:
-    """A single-turn rollout's tasks become chat-template input: a task's 'messages' must be a list of
-    {role, content} maps (a missing prompt is the agent loop's `DatasetError`; an env's or agent's tasks are
-    its own keyword arguments, unchecked here)."""
-    from tinkerless.wire import messages as m
-
-    if not isinstance(request, m.RolloutRequest) or request.env is not None or request.agent is not None:
-        return
-    for i, task in enumerate(request.tasks):
-        path = f"RolloutRequest.tasks[{i}]"
-        if not isinstance(task, dict):
-            _fail(path, f"must be a map, got {type(task).__name__}")
-        if "messages" in task:
-            messages = task["messages"]
-            if not isinstance(messages, list) or not messages:
-                _fail(f"{path}['messages']", "must be a non-empty list of messages")
-            for j, message in enumerate(messages):
-                where = f"{path}['messages'][{j}]"
-                if not isinstance(message, dict):
-                    _fail(where, f"must be a message map with 'role' and 'content', got {type(message).__name__}")
-                if message.get("role") not in MESSAGE_ROLES:
-                    _fail(f"{where}['role']", f"is {str(message.get('role'))[:40]!r}, not one of {', '.join(MESSAGE_ROLES)}")
-                if not isinstance(message.get("content"), (str, list)):
-                    _fail(f"{where}['content']", "must be a string or a list of content parts")
-                to_parts(message["content"], f"{where}['content']")
-        if "images" in task:
-            images = task["images"]
-            if not isinstance(images, list):
-                _fail(f"{path}['images']", "must be a list of images", "send images=[...] beside the prompt")
-            if len(images) > MAX_IMAGES_PER_MESSAGE:
-                _fail(f"{path}['images']", f"holds {len(images)} images, more than {MAX_IMAGES_PER_MESSAGE} in one message",
-                      f"send at most {MAX_IMAGES_PER_MESSAGE} images per task")
-            for j, image in enumerate(images):
-                image_part(image, f"{path}['images'][{j}]")
-
-
 def validate(request: Any, *, vocab_size: int | None = None) -> Any:
     """Check a decoded request (any tinkerless wire dataclass); InvalidRequest names the first bad field."""
     if not _RULES:
@@ -414,7 +376,7 @@ def validate(request: Any, *, vocab_size: int | None = None) -> Any:
         _fail("the request", f"must be a tinkerless request type, got {type(request).__name__}")
     _check_dataclass(request, type(request).__name__, 0)
     _datums(request)
-    _single_turn_tasks(request)
+    check_single_turn_tasks(request)
     check_request_images(request)
     if vocab_size is not None:
         _token_ids(request, vocab_size)

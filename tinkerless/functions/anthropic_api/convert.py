@@ -6,8 +6,12 @@ An Anthropic conversation maps onto chat messages one for one, except for tool r
     which become one user message), so a template renders them as it renders Chat Completions' tool results;
   * an assistant turn's `text` blocks are its content and its `tool_use` blocks its `tool_calls`
     (`input` as the JSON arguments), so a reply sent back renders exactly as the Chat Completions one does.
-`content_parts` is the one place a content block becomes a message part: text today; an `image` block is a
-400 until images are a content part of the wire.
+`content_parts` is the one place a content block becomes a message part. A user turn's `image` blocks
+(`{"type": "image", "source": {"type": "base64", "media_type", "data"}}`) stay in the user message's content, as
+parts that `wire.content.to_parts` reads and checks (a `url` source is a 400: a server never fetches); such a
+conversation is rendered by the model's processor (`openai_api.vision`), or refused by a text-only model.
+A last assistant turn is a prefill: `to_chat` reports it, and the reply continues that turn (`render_chat`'s
+`continue_final`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ def content_parts(content: Any, where: str, *, allowed: tuple[str, ...] = ("text
             if not isinstance(block.get("text"), str):
                 raise OpenAIError(f"{where}.{j}.text must be a string", param=f"{where}.{j}.text")
             parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":  # checked where it is read (`to_parts`): here only the source a server never fetches
+            source = block.get("source")
+            if not isinstance(source, dict) or source.get("type") != "base64":
+                kind = source.get("type") if isinstance(source, dict) else type(source).__name__
+                raise OpenAIError(f"{where}.{j}.source is a {str(kind)[:40]!r} source: this server takes base64 "
+                                  f"images only and never fetches a URL", param=f"{where}.{j}.source",
+                                  code="invalid_image", hint='send {"type": "base64", "media_type", "data"}')
+            parts.append({"type": "image", "source": source})
         else:
             parts.append(block)  # tool_use / tool_result: read by the caller
     return parts
@@ -73,15 +85,16 @@ def _tool_use(block: dict, where: str) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
-def to_chat(system: Any, messages: list[Any]) -> list[dict]:
-    """The chat messages (OpenAI's shape, as `render_chat` reads them) of an Anthropic request."""
+def to_chat(system: Any, messages: list[Any]) -> tuple[list[dict], bool]:
+    """(the chat messages, OpenAI's shape, as `render_chat` reads them, of an Anthropic request; whether its last
+    turn is an assistant prefill the reply continues)."""
     chat = _system(system)
     for i, message in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise OpenAIError(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role", code="invalid_role")
         role = message["role"]
-        allowed = ("text", "tool_result") if role == "user" else ("text", "tool_use")
+        allowed = ("text", "image", "tool_result") if role == "user" else ("text", "tool_use")
         parts = content_parts(message.get("content"), f"{where}.content", allowed=allowed)
         if role == "assistant":
             calls = [_tool_use(p, f"{where}.content.{j}") for j, p in enumerate(parts) if p["type"] == "tool_use"]
@@ -91,14 +104,17 @@ def to_chat(system: Any, messages: list[Any]) -> list[dict]:
             chat.append(entry)
             continue
         chat.extend(_tool_result(p, f"{where}.content.{j}") for j, p in enumerate(parts) if p["type"] == "tool_result")
-        texts = [p for p in parts if p["type"] == "text"]
-        if texts or not any(p["type"] == "tool_result" for p in parts):
-            chat.append({"role": "user", "content": _text(texts)})
-    if chat and chat[-1]["role"] == "assistant":
-        raise OpenAIError("the last message is an assistant turn (a prefill), which this server does not continue",
-                          param=f"messages.{len(messages) - 1}", code="unsupported_prefill",
-                          hint="end with a user turn")
-    return chat
+        rest = [p for p in parts if p["type"] != "tool_result"]
+        if any(p["type"] == "image" for p in rest):  # parts, in order, for the model's processor
+            chat.append({"role": "user", "content": rest})
+        elif rest or not any(p["type"] == "tool_result" for p in parts):
+            chat.append({"role": "user", "content": _text(rest)})
+    prefill = bool(chat) and chat[-1]["role"] == "assistant"
+    if prefill and (chat[-1].get("tool_calls") or not chat[-1]["content"]):
+        raise OpenAIError("the last message is an assistant turn without text (or with tool_use blocks): only a "
+                          "text prefill can be continued", param=f"messages.{len(messages) - 1}",
+                          code="unsupported_prefill", hint="end with a user turn, or an assistant turn of text")
+    return chat, prefill
 
 
 def to_tools(tools: list[Any] | None) -> list[dict]:

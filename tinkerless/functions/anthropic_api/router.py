@@ -19,7 +19,7 @@ from tinkerless.functions.anthropic_api.replies import MessageReply
 from tinkerless.functions.anthropic_api.schemas import MessagesRequest
 from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError
 from tinkerless.functions.openai_api.calls import MAX_BODY_BYTES, ModelCalls
-from tinkerless.functions.openai_api.render import parse_tool_calls
+from tinkerless.functions.openai_api.render import parse_tool_calls, strict_tool_names
 from tinkerless.functions.openai_api.router import _characters, error_body
 from tinkerless.functions.openai_api.streaming import ChoiceText, named_frame, sse_response, text_then_calls
 
@@ -55,10 +55,10 @@ def messages_router(backend: CompletionBackend, *, caller: Callable[[Request], s
     async def messages(request: Request) -> Response:
         try:
             who, body = await calls.who_and_body(request, MessagesRequest)
-            chat = to_chat(body.system, body.messages)
+            chat, prefill = to_chat(body.system, body.messages)
             calls.refuse_long_text(_characters(chat), "messages")
             tools = tools_for_choice(body.tool_choice, to_tools(body.tools))
-            prompt_ids, stop_ids = await calls.render(chat, tools)
+            prompt_ids, stop_ids, images = await calls.render(chat, tools, prefill=prefill)
             constrained, schema = body.json_schema
             grammar = None
             kind = (body.tool_choice or {}).get("type")
@@ -67,14 +67,20 @@ def messages_router(backend: CompletionBackend, *, caller: Callable[[Request], s
             if constrained and forced is not None:
                 raise OpenAIError("output_config.format and a required tool use cannot both constrain one reply",
                                   param="tool_choice", hint="use tool_choice auto, or drop output_config.format")
+            if prefill and (constrained or forced is not None):
+                raise OpenAIError("a prefilled assistant turn cannot be continued under output_config.format or a "
+                                  "required tool use (the constrained reply starts a turn)", param="messages",
+                                  code="unsupported_prefill", hint="end with a user turn")
             if constrained:  # structured outputs: the reply follows the schema (docs/structured-outputs.md)
                 grammar = await calls.grammar(schema, stop_ids, "output_config.format.schema")
                 tools = []
             elif forced is not None:  # tool_choice "any" or a named tool: one tool_use, enforced
                 grammar = await calls.forced_call(tools, forced or None, stop_ids, "tools")
+            elif tools:  # tool_choice auto: a call the model opens of a `strict: true` tool follows its schema
+                grammar = await calls.strict_calls(tools, strict_tool_names(body.tools, nested=False), stop_ids)
             sampling = calls.sampling(prompt_ids, stop_ids, max_tokens=body.max_tokens, temperature=body.temperature,
                                       top_p=body.top_p, top_k=body.top_k, stop_strings=body.stop_sequences or [],
-                                      grammar=grammar)
+                                      grammar=grammar, images=images)
             reply = MessageReply(body.model, len(prompt_ids))
             tokenizer = backend.tokenizer()
 

@@ -20,6 +20,7 @@ episode with its traceback, dropped from training like a failing env.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -128,6 +129,9 @@ class PolicyBackend:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                   top_k=self.sampling.top_k, stop_token_ids=list(request.stop_token_ids))
         seed = (run.seed * 1_000_003 + len(recorder.calls)) % (1 << 62)
+        if request.grammar is not None and not request.grammar.required and (
+                request.images or not hasattr(self.engine, "batcher")):
+            request = dataclasses.replace(request, grammar=None)
         if request.grammar is not None and not hasattr(self.engine, "batcher"):
             raise OpenAIError("structured outputs and required tool calls need the transformers engine (its sampler "
                               "applies the token masks); this rollout runs another", code="unsupported_parameter")

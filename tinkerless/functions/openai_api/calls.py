@@ -25,6 +25,7 @@ from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIErr
 from tinkerless.functions.openai_api.output import FinishedChoice, finish
 from tinkerless.functions.openai_api.render import chat_format, render_chat
 from tinkerless.functions.openai_api.streaming import open_streams
+from tinkerless.functions.openai_api.vision import has_image_parts, render_vision_chat
 from tinkerless.functions.sampling.token_stream import Cancellation, TokenStream
 from tinkerless.wire.http import RequestTooLarge, read_body
 from tinkerless.wire.messages import GREEDY_BELOW
@@ -83,11 +84,23 @@ class ModelCalls:
         context = getattr(self.backend, "context_length", None)
         return default if context is None else max(1, min(default, context - prompt_length))
 
-    async def render(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
-        """(prompt ids, the template's stop ids) of chat `messages` (+ `tools`), off the event loop."""
+    async def render(self, messages: list[dict], tools: list[dict] | None, *,
+                     prefill: bool = False) -> tuple[list[int], list[int], tuple]:
+        """(prompt ids, the template's stop ids, processed images) of chat `messages` (+ `tools`), off the event
+        loop. Messages holding image parts are rendered by the model's processor (`vision.render_vision_chat`: a
+        400 for a text-only model or a hostile image). With `prefill`, the last (assistant) message is left open
+        and the reply continues it (`render_chat`)."""
         tokenizer = self.backend.tokenizer()
-        prompt_ids = await asyncio.to_thread(render_chat, tokenizer, messages, tools or None)
-        return prompt_ids, list(chat_format(tokenizer).eos_token_ids)
+        if has_image_parts(messages):
+            if prefill:
+                raise OpenAIError("a prefilled assistant turn cannot be continued in a conversation with images",
+                                  param="messages", code="unsupported_prefill",
+                                  hint="end with a user turn, or send the conversation without images")
+            prompt_ids, images = await asyncio.to_thread(render_vision_chat, self.backend, messages, tools or [])
+        else:
+            prompt_ids, images = await asyncio.to_thread(
+                partial(render_chat, continue_final=prefill), tokenizer, messages, tools or None), ()
+        return prompt_ids, list(chat_format(tokenizer).eos_token_ids), images
 
     async def grammar(self, schema: dict | None, stop_ids: list[int], param: str, *, lark: str | None = None):
         """The compiled `Grammar` of a JSON schema (None: any JSON object) or Lark grammar for constrained decoding,
@@ -107,15 +120,27 @@ class ModelCalls:
 
         return await self.grammar(None, stop_ids, param, lark=tool_call_grammar(tools, name))
 
+    async def strict_calls(self, tools: list[dict], strict: set[str], stop_ids: list[int]):
+        """Under tool_choice auto: the grammar that holds every tool call the reply opens to its tool's schema when
+        some tool is `strict: true` (`render.strict_tools_grammar`); None when none is (nothing is masked)."""
+        from tinkerless.functions.openai_api.render import strict_tools_grammar
+
+        strict = strict & {t["function"]["name"] for t in tools}
+        if not strict:
+            return None
+        grammar = await self.grammar(None, stop_ids, "tools", lark=strict_tools_grammar(tools, strict))
+        grammar.required = False  # an engine that cannot mask samples unconstrained, as before (docs/structured-outputs.md)
+        return grammar
+
     def sampling(self, prompt_ids: list[int], stop_ids: list[int], *, max_tokens: int | None, temperature: float | None,
                  top_p: float | None, stop_strings: list[str], n: int = 1, seed: int | None = None,
-                 top_logprobs: int = 0, top_k: int | None = None, grammar=None) -> TokenSampling:
+                 top_logprobs: int = 0, top_k: int | None = None, grammar=None, images: tuple = ()) -> TokenSampling:
         return TokenSampling(
             prompt_ids=prompt_ids, n=n,
             max_tokens=max_tokens if max_tokens is not None else self.context_cap(len(prompt_ids)),
             temperature=temperature_of(temperature), top_p=1.0 if top_p is None else float(top_p),
             stop_strings=stop_strings, stop_token_ids=stop_ids, seed=seed, top_logprobs=top_logprobs,
-            top_k=top_k or 0, grammar=grammar,
+            top_k=top_k or 0, grammar=grammar, images=images,
         )
 
     def sample_call(self, who: str, model: str, request: TokenSampling, cancel: Cancellation):

@@ -185,16 +185,25 @@ def template_messages(tokenizer, messages: Any, tools: list[Any] | None = None) 
     return rendered, (checked if template_tools else None)
 
 
-def render_chat(tokenizer, messages: Any, tools: list[Any] | None = None) -> list[int]:
-    """The prompt token ids of `messages` (+ `tools`) with the generation prompt, as the model's template writes them."""
+def render_chat(tokenizer, messages: Any, tools: list[Any] | None = None, *, continue_final: bool = False) -> list[int]:
+    """The prompt token ids of `messages` (+ `tools`) with the generation prompt, as the model's template writes them.
+
+    With `continue_final` (a prefill: the last message is the assistant's start of its reply), that message is
+    rendered open, as the template writes it up to its end-of-turn, and the reply continues it."""
     rendered, template_tools = template_messages(tokenizer, messages, tools)
     has_tools = bool(tools)  # checked by template_messages: a non-empty list of function tools
     fmt = chat_format(tokenizer)
+    if continue_final and (rendered[-1]["role"] != "assistant" or rendered[-1].get("tool_calls")):
+        raise OpenAIError("only a last assistant turn of text can be continued", param="messages",
+                          code="unsupported_prefill", hint="end with a user turn, or an assistant turn of text")
     if not fmt.has_template:
+        if continue_final:  # the plain transcript of `ChatFormat.render`, its last "assistant: ..." line left open
+            return fmt.encode("\n".join(f"{m['role']}: {m['content']}" for m in rendered))
         return fmt.prompt_tokens(rendered)
     try:
         text = tokenizer.apply_chat_template(
-            rendered, tools=template_tools, add_generation_prompt=True, tokenize=False
+            rendered, tools=template_tools, add_generation_prompt=not continue_final,
+            continue_final_message=continue_final, tokenize=False
         )
     except Exception as exc:  # a template error is about what the caller sent (roles, order, schemas)
         raise OpenAIError(
@@ -237,14 +246,42 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     return ("".join(kept).rstrip() or None), calls
 
 
+def strict_tool_names(tools: Any, *, nested: bool) -> set[str]:
+    """The names of the tools a request marks `strict: true` (Chat Completions: `tools[i].function.strict`; Responses
+    and Messages: `tools[i].strict`), read from the raw (already checked) tools; strictness is kept out of the
+    tools the template renders, so marking a tool strict never changes its prompt."""
+    names = set()
+    for tool in tools if isinstance(tools, list) else ():
+        entry = tool.get("function") if nested and isinstance(tool, dict) else tool
+        if isinstance(entry, dict) and entry.get("strict") is True and isinstance(entry.get("name"), str):
+            names.add(entry["name"])
+    return names
+
+
+def _call_schemas(functions: list[dict], strict: set[str] | None = None) -> dict:
+    """The JSON schema of one tool call's JSON, `{"name": ..., "arguments": {...}}`, of any of `functions`: the
+    arguments follow the tool's parameters (with `strict`, only the named tools' do; the others' are any object)."""
+    calls = [{"type": "object", "properties": {
+        "name": {"const": f["name"]},
+        "arguments": f["parameters"] if strict is None or f["name"] in strict else {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    return {"anyOf": calls, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
+
+
+def strict_tools_grammar(tools: list[dict], strict: set[str]) -> str:
+    """A Lark grammar (llguidance's) for a reply under tool_choice auto with `strict: true` tools: free text, in which
+    every `<tool_call>` the model opens is a call of one of `tools` whose arguments follow its parameters when the
+    tool is strict. The text before each call is a lazy lexeme ending at the first `<tool_call>` (llguidance's
+    pattern for tool calls in running text, its `StructTag`), so no unchecked call can hide in the text."""
+    schema = _call_schemas([t["function"] for t in tools], strict)
+    return ('start: call* tail\ntail: TEXT\nTEXT: /(.|\\n)*/\nopening[lazy]: TEXT "<tool_call>"\n'
+            f'call: opening %json {json.dumps(schema)} "</tool_call>"')
+
+
 def tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
     """A Lark grammar (llguidance's, `sampling.constraints`) for a reply that is exactly one tool call in the format
     `parse_tool_calls` reads: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the arguments following
     the tool's parameters schema. With `name`, that tool only; else any of `tools` (checked OpenAI function tools)."""
-    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
-    schema = {"anyOf": calls, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                                             "item_separator": ", "}}
+    schema = _call_schemas([t["function"] for t in tools if name is None or t["function"]["name"] == name])
     return f'start: "<tool_call>" call "</tool_call>"\ncall: %json {json.dumps(schema)}'
 

@@ -32,7 +32,7 @@ from tinkerless.functions.openai_api.calls import (DEFAULT_MAX_TOKENS, MAX_BODY_
                                                    unless_disconnected)
 from tinkerless.functions.openai_api.generate import GenerateRequest, generate_reply
 from tinkerless.functions.openai_api.output import finish
-from tinkerless.functions.openai_api.render import chat_format, check_tools, render_chat
+from tinkerless.functions.openai_api.render import chat_format, check_tools, render_chat, strict_tool_names
 from tinkerless.functions.openai_api.vision import has_image_parts, render_vision_chat
 from tinkerless.functions.openai_api.replies import ChatReply, CompletionReply
 from tinkerless.functions.openai_api.schemas import ChatCompletionRequest, CompletionRequest, FieldError
@@ -159,6 +159,9 @@ def openai_router(
             elif forced is not None:  # tool_choice "required" or a named function: one call, enforced
                 request_sampling = replace(request_sampling, grammar=await calls.forced_call(
                     tools, forced or None, stop_ids, "tools"))
+            elif tools:  # tool_choice auto: a call the model opens of a `strict: true` tool follows its schema
+                request_sampling = replace(request_sampling, grammar=await calls.strict_calls(
+                    tools, strict_tool_names(body.tools, nested=True), stop_ids))
             reply = ChatReply(body, tokenizer, len(prompt_ids), parse_tools=bool(tools))
             if body.stream:
                 streams = await open_streams(backend, who, body.model, [request_sampling])

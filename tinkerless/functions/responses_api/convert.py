@@ -3,6 +3,9 @@
   * `input` as a string is one user message; as items, each `message` item is a chat message (its input_text /
     output_text parts joined), consecutive `function_call` items are the `tool_calls` of one assistant message
     (the assistant message just before them, when there is one), and a `function_call_output` is a `tool` message;
+  * a user message's `input_image` parts (`"image_url": "data:image/...;base64,..."`) keep the message's content
+    a list of parts, which `wire.content.to_parts` reads and checks (a URL or a `file_id` is a 400: a server never
+    fetches, and keeps no files); such a conversation is rendered by the model's processor (`openai_api.vision`);
   * `instructions` is the system message, first (never carried over by `previous_response_id`, as OpenAI's);
   * function tools (`{"type": "function", "name", "parameters"}`) are Chat Completions' function tools.
 So a conversation rendered here is token for token the same conversation sent to /v1/chat/completions.
@@ -47,6 +50,27 @@ def _string(item: dict, key: str, where: str) -> str:
     return value
 
 
+def _parts(content: Any, where: str) -> str | list[dict]:
+    """A user message's content: its text, or (when it holds `input_image` parts) its parts in order, as chat
+    content parts (`{"type": "text"}`, `{"type": "image_url"}`)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                 for p in content):
+        return _text(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url.startswith("data:"):
+                given = "file_id" if "file_id" in part else "image_url"
+                raise OpenAIError(f"{where}[{j}] is an input_image without a data URL ({given}): this server takes "
+                                  f"images inline only and never fetches a URL or a file", param=f"{where}[{j}]",
+                                  code="invalid_image", hint='send "image_url": "data:image/png;base64,..."')
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text([part], where)})
+    return parts
+
+
 def items_to_chat(items: Any) -> list[dict]:
     """The chat messages of `input` (without `instructions`)."""
     if isinstance(items, str):
@@ -64,8 +88,9 @@ def items_to_chat(items: Any) -> list[dict]:
             if role not in ROLES:
                 raise OpenAIError(f"{where}.role {str(role)[:40]!r} is not one of {', '.join(ROLES)}",
                                   param=f"{where}.role", code="invalid_role")
+            read = _parts if role == "user" else _text
             chat.append({"role": "system" if role == "developer" else role,
-                         "content": _text(item.get("content"), f"{where}.content")})
+                         "content": read(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             arguments = item.get("arguments", "{}")
             if not isinstance(arguments, str):
@@ -95,7 +120,8 @@ def items_to_chat(items: Any) -> list[dict]:
 
 
 def to_tools(tools: list[Any] | None) -> list[dict]:
-    """Responses function tools as checked Chat Completions function tools (`strict` is read, not enforced)."""
+    """Responses function tools as checked Chat Completions function tools (`strict: true` is enforced under
+    tool_choice auto by the router: `render.strict_tools_grammar`)."""
     converted = []
     for i, tool in enumerate(tools or []):
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__

@@ -16,6 +16,7 @@ import secrets
 import time
 from typing import AsyncIterator
 
+from tinkerless.functions.openai_api.render import strict_tool_names
 from tinkerless.functions.openai_api.output import FinishedChoice
 from tinkerless.functions.openai_api.streaming import Ending
 from tinkerless.functions.responses_api.schemas import ResponsesRequest
@@ -60,6 +61,7 @@ class ResponseReply:
             "output_tokens": finished.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.input_tokens + finished.completion_tokens}
         body = self.body
+        strict = strict_tool_names(body.tools, nested=False)
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
@@ -69,7 +71,8 @@ class ResponseReply:
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
             "tools": [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
-                       "parameters": t["function"]["parameters"], "strict": False} for t in self.tools],
+                       "parameters": t["function"]["parameters"],
+                       "strict": t["function"]["name"] in strict} for t in self.tools],
             "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled", "usage": usage,
             "user": None, "metadata": {},
         }

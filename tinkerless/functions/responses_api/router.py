@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tinkerless.functions.openai_api.backend import CompletionBackend, OpenAIError
 from tinkerless.functions.openai_api.calls import MAX_BODY_BYTES, ModelCalls
-from tinkerless.functions.openai_api.render import parse_tool_calls
+from tinkerless.functions.openai_api.render import parse_tool_calls, strict_tool_names
 from tinkerless.functions.openai_api.router import _characters, error_body, error_response
 from tinkerless.functions.openai_api.streaming import ChoiceText, Ending, named_frame, sse_response, text_then_calls
 from tinkerless.functions.responses_api.convert import items_to_chat, to_tools, tools_for_choice
@@ -61,7 +61,7 @@ def responses_router(backend: CompletionBackend, *, caller: Callable[[Request], 
             chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
             calls.refuse_long_text(_characters(chat), "input")
             tools = tools_for_choice(body.tool_choice, to_tools(body.tools))
-            prompt_ids, stop_ids = await calls.render(chat, tools)
+            prompt_ids, stop_ids, images = await calls.render(chat, tools)
             constrained, schema = body.json_schema
             grammar = None
             forced = None if not tools or body.tool_choice in (None, "auto", "none") else \
@@ -74,8 +74,11 @@ def responses_router(backend: CompletionBackend, *, caller: Callable[[Request], 
                 tools = []  # the reply is the JSON document, not a function call
             elif forced is not None:  # tool_choice "required" or a named function: one call, enforced
                 grammar = await calls.forced_call(tools, forced or None, stop_ids, "tools")
+            elif tools:  # tool_choice auto: a call the model opens of a `strict: true` tool follows its schema
+                grammar = await calls.strict_calls(tools, strict_tool_names(body.tools, nested=False), stop_ids)
             sampling = calls.sampling(prompt_ids, stop_ids, max_tokens=body.max_output_tokens,
-                                      temperature=body.temperature, top_p=body.top_p, stop_strings=[], grammar=grammar)
+                                      temperature=body.temperature, top_p=body.top_p, stop_strings=[], grammar=grammar,
+                                      images=images)
             reply = ResponseReply(body, len(prompt_ids), tools)
             tokenizer = backend.tokenizer()
 

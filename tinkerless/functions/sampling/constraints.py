@@ -69,6 +69,9 @@ class Grammar:
                                hint="simplify the schema: the construct named is not supported")
         self._grammar = grammar
         self.stop_ids = list(stop_ids)
+        # False for `strict: true` tools under tool_choice auto: where the engine cannot mask (not the transformers
+        # engine, or a prompt with images) the request is sampled unconstrained instead of refused.
+        self.required = True
 
     def constraint(self) -> "TokenConstraint":
         return TokenConstraint(self)

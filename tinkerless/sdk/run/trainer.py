@@ -32,13 +32,7 @@ from tinkerless.sdk.run.lifecycle import Heartbeat, RunInterrupted, heartbeat_in
 from tinkerless.envs.base import is_multi_agent
 from tinkerless.sdk.run.agents import frozen_adapters, trainable_policies
 from tinkerless.sdk.run.checkpointing import CLIENT_STATE_FILE, Checkpoints, _policy_prefix
-from tinkerless.sdk.run.metrics import (
-    MetricsWriter,
-    plot_metrics,
-    plot_outcomes,
-    read_metrics,
-    reward_summary,
-)
+from tinkerless.sdk.run.metrics import (MetricsWriter, plot_metrics, plot_outcomes, read_metrics, reward_summary)
 from tinkerless.sdk.run.multi_agent import build_seats, play_step
 from tinkerless.sdk.run.progress import Progress, final_report
 from tinkerless.sdk.run.run_budget import RunBudget, stopped

@@ -18,6 +18,7 @@ same job, with a `TokenStream` that receives each token as the engine draws it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import secrets
 from typing import Any
@@ -196,6 +197,8 @@ class ServeBackend:
             files = await asyncio.to_thread(self.names.load_files, target)
         engine = self.worker.engine
         streams = hasattr(engine, "batcher")  # the transformers engine: tokens (and top logprobs) as drawn
+        if request.grammar is not None and not request.grammar.required and (request.images or not streams):
+            request = dataclasses.replace(request, grammar=None)
         if request.grammar is not None and not streams:
             raise OpenAIError("structured outputs need the transformers engine (its sampler applies the token "
                               "masks); this server runs another", param="response_format", code="unsupported_parameter")
