@@ -1,10 +1,11 @@
 """What the env-library adapters cost per step, each against a same-run baseline on the tiny model.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/env_adapters.py [--rounds 5] [--json bench/results/env_adapters.json]
+    PYTHONPATH=$PWD .venv/bin/python bench/env_adapters.py [--rounds 5] [--server process|thread] [--json FILE]
 
 - OpenEnv: the same episodes (tasks, seeds, so the same tokens) through an OpenEnv server on loopback
-  (its WebSocket client, one session per episode) against the same Environment in-process; the ratio of
-  seconds per env step.
+  (its WebSocket client, one session per episode, reused for all its steps) against the same Environment
+  in-process; the ratio of seconds per env step. The server runs in its own process by default, as users run
+  one (`--server thread`: in a thread of this process, sharing its GIL with the client and the sampler).
 - TextArena: a tic-tac-toe self-play rollout through the adapter against native gomoku on a 3x3 board
   (3 in a row: the same game) with the same seats, sampling and limits; the ratio of seconds per game turn.
 
@@ -15,8 +16,11 @@ summed times. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,9 +63,31 @@ def game_round(worker: Worker, env_cls: type, tasks: list[dict], seed: int) -> t
     return seconds, sum(e.num_turns for e in episodes)
 
 
+@contextlib.contextmanager
+def server_process(max_concurrent_envs: int = 64):
+    """GuessEnv's OpenEnv server in a process of its own (`serve` under its own interpreter); yields its URL."""
+    code = ("import sys, time; sys.path.insert(0, 'tests'); from tinkerless.envs.adapters.openenv import serve; "
+            "from test_adapter_openenv import GuessEnv\n"
+            f"with serve(GuessEnv, max_concurrent_envs={max_concurrent_envs}) as url:\n"
+            "    print(url, flush=True)\n    time.sleep(10**6)")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        url = process.stdout.readline().strip()
+        if not url.startswith("http"):
+            raise RuntimeError(f"the OpenEnv server process did not start (exit code {process.poll()})")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--server", choices=("process", "thread"), default="process")
+    parser.add_argument("--openenv-only", action="store_true", help="skip the TextArena-against-gomoku rounds")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", hidden_size=64, num_layers=2, seed=0)
@@ -71,7 +97,7 @@ def main() -> None:
     local = tinkerless.envs.openenv(GuessEnv)
     totals = {"in_process": [0.0, 0], "loopback": [0.0, 0]}
     same = True
-    with serve(GuessEnv, max_concurrent_envs=64) as url:
+    with server_process(64) if args.server == "process" else serve(GuessEnv, max_concurrent_envs=64) as url:
         remote = tinkerless.envs.openenv(url)
         openenv_round(worker, local, 0), openenv_round(worker, remote, 0)  # warm both paths
         for r in range(args.rounds):
@@ -83,11 +109,24 @@ def main() -> None:
                     same = same and result == openenv_round(worker, local, seed=r + 1)[2]
     per_step = {k: v[0] / max(v[1], 1) for k, v in totals.items()}
 
+    out = {
+        "device": "2-core CPU, shared with other jobs", "model": "tiny", "rounds": args.rounds, "server": args.server,
+        "openenv_s_per_step": per_step, "openenv_loopback_over_in_process": per_step["loopback"] / per_step["in_process"],
+        "openenv_same_tokens_and_rewards": same,
+    }
+    if not args.openenv_only:
+        out.update(game_rounds(worker, args.rounds))
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+def game_rounds(worker: Worker, rounds: int) -> dict:
     tictactoe = tinkerless.envs.textarena("TicTacToe-v0", response_prefix="[")
     gomoku3 = type("Gomoku3", (GomokuEnv,), {"default_size": 3, "default_win_length": 3})
     games = {"textarena": [0.0, 0], "gomoku": [0.0, 0]}
     game_round(worker, tictactoe, [{"seed": 0}], 0), game_round(worker, gomoku3, [{}], 0)
-    for r in range(args.rounds):
+    for r in range(rounds):
         order = (("textarena", tictactoe, [{"seed": s} for s in range(4)]), ("gomoku", gomoku3, [{}] * 4))
         for name, env, tasks in order if r % 2 == 0 else order[::-1]:
             seconds, turns = game_round(worker, env, tasks, seed=r + 1)
@@ -95,16 +134,8 @@ def main() -> None:
             games[name][1] += turns
     per_turn = {k: v[0] / max(v[1], 1) for k, v in games.items()}
 
-    out = {
-        "device": "2-core CPU, shared with other jobs", "model": "tiny", "rounds": args.rounds,
-        "openenv_s_per_step": per_step, "openenv_loopback_over_in_process": per_step["loopback"] / per_step["in_process"],
-        "openenv_same_tokens_and_rewards": same,
-        "game_s_per_turn": per_turn, "textarena_over_gomoku": per_turn["textarena"] / per_turn["gomoku"],
-        "turns": {k: v[1] for k, v in games.items()},
-    }
-    print(json.dumps(out, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    return {"game_s_per_turn": per_turn, "textarena_over_gomoku": per_turn["textarena"] / per_turn["gomoku"],
+            "turns": {k: v[1] for k, v in games.items()}}
 
 
 if __name__ == "__main__":

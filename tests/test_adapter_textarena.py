@@ -218,3 +218,39 @@ def test_train_with_a_frozen_seat_a_round_robin_and_max_staleness(tmp_path, tiny
     lines = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1] and all(line["episodes_error"] == 0 for line in lines)
     assert all(f"win_rate/{p}" in lines[0] for p in ("a", "b"))
+
+
+@pytest.mark.parametrize("game_id", ["TicTacToe-v0", "ConnectFour-v0"])
+def test_a_games_update_runs_each_episode_token_once_however_many_turns(ta_worker, game_id):
+    """A player's episode is its conversation, each message once (TextArena's observations are incremental: no
+    transcript re-sent per turn), and the update runs every episode's tokens through the model once (twice with
+    recomputed layers), not once per turn: processed tokens stay proportional to the episodes' real lengths."""
+    from tinkerless.functions.losses import LossConfig
+    from tinkerless.wire.messages import AdamParams, Datum, UpdateRequest
+
+    Game = tinkerless.envs.textarena(game_id, response_prefix="[")
+    seats = {"player_0": Seat("ta-player"), "player_1": Seat(opponent=pack_code(random_opponent), trainable=False)}
+    episodes = [e for e in _rollout(ta_worker, Game, seats, max_tokens=6, group_size=3) if e.transcript]
+    tokenizer = ta_worker.tokenizer
+    for episode in episodes:
+        text = tokenizer.decode(episode.tokens.tolist())
+        users = [m["content"] for m in episode.transcript if m["role"] == "user"]
+        assert len(users) >= 2
+        for message in users:  # every observation once: a re-sent history would repeat the first ones
+            assert text.count(message) == 1, (message, text)
+        shown = sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in episode.transcript)
+        assert len(episode.tokens) <= shown + 16 * len(episode.transcript)  # the template's few tokens per message
+
+    ta_worker.create_policy(CreatePolicyRequest("ta-cost", LoraConfig(rank=4, seed=4)))
+    data = [Datum(tokens=e.tokens, mask=e.mask, advantages=e.mask * (1.0 if i % 2 else -1.0), sampler_logprobs=e.sampler_logprobs)
+            for i, e in enumerate(episodes)]
+    processed = []
+    hook = ta_worker.model.get_input_embeddings().register_forward_hook(lambda m, args, out: processed.append(args[0].numel()))
+    try:
+        ta_worker.update(UpdateRequest("ta-cost", data, LossConfig(), AdamParams(learning_rate=1e-3)))
+    finally:
+        hook.remove()
+    real = sum(len(e.tokens) for e in episodes)
+    # A group's shared first prompt runs once (shared_prefix), so fewer tokens than `real` may run; never more
+    # than each token twice (a forward, and a recomputing one in backward) and a little padding.
+    assert 0 < sum(processed) <= 2 * real + 64 * len(episodes), (sum(processed), real)
