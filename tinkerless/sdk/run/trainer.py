@@ -173,7 +173,7 @@ class _Run:
         config = self.config
         if config.resume:
             run_id = config.run_id or self.host.latest_run_id(config.name)
-            coordinator = self.host.open(run_id)
+            coordinator = self.host.open(run_id, limits={k: getattr(config, k) for k in ("max_compute_seconds", "max_cost_usd")})
             if coordinator.state.config.get("kind") == "sft":  # checked before anything of that run changes
                 raise UserError(
                     f"run {run_id!r} is an SFT run, so `train --resume` cannot continue it",
