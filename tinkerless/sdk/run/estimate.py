@@ -194,13 +194,17 @@ def dry_run(config: TrainConfig) -> RunEstimate:
     return found
 
 
-def before_launch(config: TrainConfig, gpu: str | None) -> str:
-    """What a cloud launch prints before it spends: the estimate on the GPU class it asked for (from the measured
-    tables: no calibration, nothing runs here)."""
-    kind = gpu_class(gpu)
-    if kind is None:
-        return f"estimate: no figures for GPU {gpu!r} (`tinkerless estimate CONFIG` lists the classes it knows)"
-    return estimate(config, calibrate=False, gpus=(kind,)).table()
+def before_launch(config: TrainConfig, gpu: str | list[str] | None) -> str:
+    """What a cloud launch prints before it spends: the estimate on the GPU class it asked for, or on each of the
+    classes it accepts (from the measured tables: no calibration, nothing runs here)."""
+    asked = [gpu] if gpu is None or isinstance(gpu, str) else list(gpu)
+    kinds = list(dict.fromkeys(kind for kind in map(gpu_class, asked) if kind is not None))
+    unknown = [name for name in asked if gpu_class(name) is None]
+    lines = [estimate(config, calibrate=False, gpus=tuple(kinds)).table()] if kinds else []
+    if unknown:
+        lines.append(f"estimate: no figures for GPU {', '.join(map(repr, unknown))} (`tinkerless estimate CONFIG` "
+                     "lists the classes it knows)")
+    return "\n".join(lines)
 
 
 def beside_actual(metrics: list[dict], usage: dict) -> str | None:

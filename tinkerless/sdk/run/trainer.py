@@ -107,7 +107,7 @@ class _Run:
         self.backend = with_usage(
             backend
             or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size,
-                            dtype=config.dtype, **config.local_backend_options())
+                            dtype=config.dtype, run_config=config, **config.local_backend_options())
         )
         try:
             # The run's state and checkpoints: in `storage`, or on the server the backend talks to.
