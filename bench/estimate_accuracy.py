@@ -41,7 +41,10 @@ def main() -> None:
     print(json.dumps({"config": args.config, "estimate_s": [round(s, 1) for s in cpu.run_seconds], "actual_s": round(actual, 1),
                       "error": f"{100 * (cpu.run_seconds[1] - actual) / actual:+.0f}%",
                       "calibration": {k: round(v, 4) if isinstance(v, float) else v for k, v in found.calibration.items()},
-                      "run_cpu_share": round(run_share, 2), "load_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+                      "run_cpu_share": round(run_share, 2),
+                      # Not an estimate (it needs the run's load, known only after it): the model's error apart from
+                      # the machine's load changing between the calibration and the run.
+                      "estimate_at_run_load_s": round(cpu.run_seconds[1] * found.calibration["cpu_share"] / max(run_share, 0.01), 1), "load_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
                       "estimate_wall_s": round(estimate_wall, 1), "run_wall_s": round(run_wall, 1),
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
 
