@@ -32,7 +32,7 @@ def test_the_cpu_estimate_is_close_to_the_run_it_estimates(tiny_model, tmp_path)
     found = estimate(config, gpus=())
     cpu, model = found.for_device("cpu"), found.calibration
     assert [e.device for e in found.estimates] == ["cpu"] and 0.1 <= model["cpu_share"] <= 1.0
-    assert model["rollout_s_per_token"] > 0 and model["sampled_tokens"] > 0 and f"{100 * model['cpu_share']:.0f}% of its" in cpu.source
+    assert model["rollout_s_per_token"] > 0 and model["sampled_tokens"] > 0 and f"{100 * model['cpu_share']:.0f}% of the" in cpu.source
     low, point, high = cpu.run_seconds
     assert 0 < low < point < high and cpu.price_per_hour == 0.0 and cpu.dollars()[1] == 0.0
     assert not (tmp_path / "runs").exists()  # the calibration wrote nothing of the run

@@ -98,8 +98,9 @@ def _calibrated(config: TrainConfig) -> tuple[Estimate, dict]:
     runs = model.run_seconds(config.steps, checkpoints, max_sampled_tokens(config))
     per_step = model.later_step_seconds(max_sampled_tokens(config))
     rate = config.price_table().per_hour("cpu")
-    note = (f"calibrated here: {steps} steps of this config, which had {100 * share:.0f}% of its "
-            f"{_threads()} cores" + ("" if share >= 0.85 else " (a busy machine: the range runs from an idle one to "
+    threads = _threads()
+    note = (f"calibrated here: {steps} steps of this config, which had {100 * share:.0f}% of the "
+            f"{threads} core{'s' if threads > 1 else ''} it uses" + ("" if share >= 0.85 else " (a busy machine: the range runs from an idle one to "
                                                                  "one this much busier)"))
     return Estimate("cpu", per_step, runs, rate, note), {**model.describe(), "device": probe.usage["device"]}
 
