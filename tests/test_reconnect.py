@@ -31,33 +31,67 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+# A `tinkerless serve` process that has done its imports (torch, transformers, the worker: most of a start on a
+# busy 2-core machine) and waits for its go file, then runs the real CLI `serve` from the top: it loads the
+# model, opens the storage and binds the port as a cold start does. So the next server is warm while the run
+# goes on, and a restart costs what the server itself does at start, not Python importing its libraries.
+_STANDBY = """
+import os, sys, time
+import torch, transformers, peft, uvicorn, fastapi, tinkerless.functions.worker, tinkerless.server.serving
+import tinkerless.server.app, tinkerless.server.runs, tinkerless.sdk.cli.commands
+import transformers.models.qwen2.modeling_qwen2  # the tiny model's class, which transformers imports lazily
+go = sys.argv[1]
+while not os.path.exists(go):
+    time.sleep(0.01)
+from tinkerless.sdk.cli.commands import main
+raise SystemExit(main(sys.argv[2:]))
+"""
+
+
 class _Serve:
-    """`tinkerless serve` as a process of its own, restartable on the same port and storage."""
+    """`tinkerless serve` as a process of its own, restartable on the same port and storage (SIGKILL, then a
+    fresh process: the next one is started ahead, its imports done, and waits for its turn)."""
 
     def __init__(self, model: str, storage: Path):
         self.model, self.storage, self.port = model, storage, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.standby: tuple[subprocess.Popen, Path] | None = None
+        self.starts = 0
+
+    def _spawn(self) -> tuple[subprocess.Popen, Path]:
+        go = self.storage.parent / f"go-{self.port}-{self.starts}"
+        argv = ["serve", "--model", self.model, "--port", str(self.port), "--no-auth", "--single-user",
+                "--storage", str(self.storage), "--threads", "1"]
+        process = subprocess.Popen([sys.executable, "-c", _STANDBY, str(go), *argv],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return process, go
 
     def start(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tinkerless.sdk.cli", "serve", "--model", self.model, "--port", str(self.port),
-             "--no-auth", "--single-user", "--storage", str(self.storage), "--threads", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        self.process, go = self.standby or self._spawn()
+        self.starts += 1
+        go.touch()
+        self.standby = None
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and self.process.poll() is None:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    self.standby = self._spawn()  # the next restart's server, importing while this one serves
                     return
             except httpx.TransportError:
-                time.sleep(0.1)
+                time.sleep(0.05)
         raise AssertionError("the server did not start")
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait()
+
+    def close(self) -> None:
+        self.kill()
+        if self.standby is not None:
+            self.standby[0].kill()
+            self.standby[0].wait()
 
 
 def _train(model: str, storage: Path, url: str, run_id: str, **extra):
@@ -112,4 +146,4 @@ def test_a_client_rides_out_its_server_killed_and_restarted_at_random_points(tin
         with pytest.raises(ServerUnreachable):
             _train(tiny_model, tmp_path / "client", server.url, "gone", reconnect_timeout=0)
     finally:
-        server.kill()
+        server.close()

@@ -538,3 +538,27 @@ def test_managed_job_run_command_keeps_the_run_in_an_s3_bucket(tmp_path, resumab
         assert CheckpointStore(ObjectStore(storage), checkpoint_prefix(TASK_ID)).latest_step() == 3
     finally:
         moto.stop()
+
+
+def test_a_launch_for_a_run_prints_its_estimate_on_every_gpu_it_accepts_before_spending(sky, tl_home, monkeypatch, capsys):
+    fake = FakeSky(sky, monkeypatch, endpoint="127.0.0.1:1")
+    printed_before_launch: list[str] = []
+    fake.on_launch = lambda task: printed_before_launch.append(capsys.readouterr().out)
+    fake.launch_error = sky.exceptions.ResourcesUnavailableError("nothing free")  # stop there: nothing is spent
+    config = tinkerless.TrainConfig(model="smollm2", reward=short_reward, tasks=[{"prompt": "2+3?"}], steps=20,
+                                    batch_size=8, group_size=4, max_tokens=12, name="sums")
+    with pytest.raises(RemoteError):  # the YAML's list of GPUs: SkyPilot may launch any, so each is estimated
+        make_sky_backend("smollm2", cluster="tl-est", run_config=config)
+    out = capsys.readouterr().out
+    assert "launching SkyPilot cluster tl-est for run 'sums'" in out and "estimate for 20 steps" in out
+    rows = {line.split()[0] for line in out.splitlines()[3:] if line.startswith("  ")}
+    assert rows == {"L4", "A10G", "L40S", "A100-40GB", "H100"}
+    fake.launch_error = None
+    with pytest.raises(Exception):  # the one GPU asked for; printed before the launch call (which fails later here)
+        make_sky_backend("smollm2", cluster="tl-est2", gpu="H100:1", run_config=config, health_timeout=0.2, poll_interval=0.1)
+    assert printed_before_launch and "H100" in printed_before_launch[-1] and "A10G" not in printed_before_launch[-1]
+    # A launch for no run (`make_sky_backend` alone: a server for whoever connects) has no run to estimate.
+    fake.launch_error = sky.exceptions.ResourcesUnavailableError("nothing free")
+    with pytest.raises(RemoteError):
+        make_sky_backend("smollm2", cluster="tl-est3")
+    assert "estimate for" not in capsys.readouterr().out

@@ -110,12 +110,15 @@ def make_sky_backend(
     cluster: str | None = None,
     gpu: str | None = None,
     down_on_close: bool = False,
+    run_config: Any = None,
     **options: Any,
 ) -> SkyBackend:
     """Launch or reuse the SkyPilot cluster `cluster` serving `model`, wait until it is healthy, connect.
 
     `gpu` ("H100", "A100-80GB:1") replaces the YAML's list of acceptable GPUs; `options` are
-    the fields of `SkyOptions`.
+    the fields of `SkyOptions`. `run_config` (the TrainConfig the cluster is launched for, as `train` passes it):
+    before a launch, its estimate on each GPU class the launch accepts is printed (from the measured tables,
+    nothing runs), since SkyPilot may pick any of them.
     """
     opts = _options(options)
     name = cluster or default_cluster_name(model)
@@ -140,6 +143,11 @@ def make_sky_backend(
         _require_enabled_infra(sky, name, opts.infra)  # no key file, no launch, when nothing can start
         keys = [opts.api_key or new_api_key()]
         task = _task(model, gpu, opts, keys[0])  # refuses GPUs the model cannot fit, before a key or a launch
+        if run_config is not None:  # what the run will cost on what it may get, before anything is spent
+            from tinkerless.sdk.run.estimate import before_launch
+
+            print(f"launching SkyPilot cluster {name} for run {run_config.name!r}:\n"
+                  f"{before_launch(run_config, _accepted_gpus(task))}", flush=True)
         save_key(name, keys[0])  # before launching: a launch that is interrupted still leaves a reusable cluster
         try:
             _launch(sky, task, name, opts)
@@ -312,6 +320,11 @@ def _task(model: str, gpu: str | None, opts: SkyOptions, key: str) -> Any:
     if resources.get("accelerators") is not None:
         resources["accelerators"] = check_sky(model, resources["accelerators"], dtype=opts.envs.get("DTYPE", "auto"))
     return build_task(config, secrets={KEY_ENV: key})
+
+
+def _accepted_gpus(task: Any) -> list[str]:
+    """The GPU classes a task's resources accept (any of them may be what SkyPilot launches)."""
+    return list(dict.fromkeys(name for resources in task.resources for name in (resources.accelerators or {})))
 
 
 def default_cluster_name(model: str) -> str:

@@ -8,8 +8,9 @@
   `streams`: that per-client sequence order (calls held until their predecessors arrive, gaps skipped);
 - `stats.ServerStats`: the `/metrics` counters (Prometheus text);
 - `keys.KeyStore`: API keys, stored hashed, with their budgets; `budgets.KeyBudgets`: what each key spent,
-  reserved before a call's work and settled after it (402 past its budget); `tenancy`: per-tenant scoping of
-  policy names.
+  reserved before a call's work and settled after it (402 past its budget); `run_budgets.RunBudgets`: the same
+  for each hosted run's own limits (its config's max_compute_seconds / max_cost_usd); `tenancy`: per-tenant
+  scoping of policy names.
 FastAPI and uvicorn load only when this package is imported (extra `serve`).
 """
 

@@ -40,6 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinkerless.errors import BudgetExceeded, ProtocolError, SequenceReused, ServerBusy, TinkerlessError, UserError
 from tinkerless.wire.http import RequestTooLarge, read_body
 from tinkerless.server.budgets import KeyBudgets, calling_key
+from tinkerless.server.run_budgets import Charges, RunBudgets
+from tinkerless.storage import ObjectStore
 from tinkerless.server.keys import KeyStore
 from tinkerless.server.limits import LimitExceeded, ServingLimits
 from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
@@ -112,12 +114,19 @@ def create_app(
         worker.policy_guard = policy_quota(worker, limits)
     model_free = frozenset(getattr(worker, "MODEL_FREE_METHODS", ()))  # answered at once, off the scheduler
     budgets = None
+    price = _server_price(worker, price_per_hour)
     if keys is not None:  # keys' spending, against their budgets (server/budgets.py)
-        budgets = KeyBudgets(keys, keys.store, _server_price(worker, price_per_hour))
+        budgets = KeyBudgets(keys, keys.store, price)
     app.state.budgets = budgets
+    hosts_runs = hasattr(worker, "model_name")  # a real Worker (test doubles speak only /v1/call)
+    store = ObjectStore(storage or tempfile.mkdtemp(prefix="tinkerless-serve-")) if hosts_runs else None
+    # Hosted runs' spending, against their own limits (server/run_budgets.py); the run service fills it in.
+    run_budgets = RunBudgets(lambda tenant: store.child(f"tenants/{tenant or '_'}"), lambda tenant, run: None,
+                             price) if hosts_runs else None
     scheduler = Scheduler(max_pending=max_pending, max_pending_per_tenant=max_pending_per_tenant,
-                          slice_seconds=slice_seconds, budgets=budgets)
+                          slice_seconds=slice_seconds, budgets=Charges(budgets, run_budgets))
     app.state.scheduler = scheduler
+    app.state.flush_spending = lambda: [b.flush() for b in (budgets, run_budgets) if b is not None]
     # Shutdown cancels the generations this app queued for callers that wait on nothing else (the OpenAI routes);
     # training calls run to the end, so a policy is never left half-updated.
     app.state.cancel_jobs = lambda: 0
@@ -231,12 +240,10 @@ def create_app(
         headers = {COMPUTE_SECONDS_HEADER: f"{compute_seconds:.6f}", QUEUE_SECONDS_HEADER: f"{queue_seconds:.6f}"}
         return Response(content=reply, status_code=status, media_type=MSGPACK, headers=headers)
 
-    if hasattr(worker, "model_name"):  # a real Worker (test doubles speak only /v1/call)
+    if hosts_runs:
         from tinkerless.server.runs import RunService, make_router
-        from tinkerless.storage import ObjectStore
 
-        store = ObjectStore(storage or tempfile.mkdtemp(prefix="tinkerless-serve-"))
-        app.state.runs = RunService(store, worker, fence=scheduler)
+        app.state.runs = RunService(store, worker, fence=scheduler, budgets=run_budgets)
         app.include_router(make_router(app.state.runs, scheduler, tenant_of, max_request_bytes))
 
         from tinkerless.functions.apis import api_routers

@@ -38,6 +38,7 @@ from tinkerless.errors import (
     BarrierTimeout, CommitConflict, PhaseError, ProtocolError, ServerBusy, TinkerlessError, UserError,
 )
 from tinkerless.wire.http import RequestTooLarge, read_body
+from tinkerless.server.run_budgets import LIMITS, RunBudgets, check_run_limits
 from tinkerless.server.replies import Redactor, error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
 from tinkerless.server.tenancy import tenant_prefix
@@ -65,17 +66,22 @@ LONG_POLL_SECONDS = 20.0  # a barrier wait answers within this; the client asks 
 class _Hosted:
     coordinator: Coordinator
     lease: str
+    limits: dict | None = None  # the budget its driver opened it with, until its config (on resume) restates it
 
 
 class RunService:
     """The coordinators and checkpoints of the runs that clients drive through this server."""
 
     def __init__(
-        self, store: ObjectStore, worker: Any, *, long_poll: float = LONG_POLL_SECONDS, fence: Scheduler | None = None
+        self, store: ObjectStore, worker: Any, *, long_poll: float = LONG_POLL_SECONDS, fence: Scheduler | None = None,
+        budgets: RunBudgets | None = None,
     ):
         self.store = store
         self.worker = worker
         self.fence = fence  # the scheduler whose `bind` gives a run's policies to its current driver
+        self.budgets = budgets  # each run's own limits, charged with its driver's calls (server/run_budgets.py)
+        if budgets is not None:
+            budgets.limits_of = self.limits
         self.long_poll = long_poll
         self._hosted: dict[tuple[str, str], _Hosted] = {}
         # Each run's worker policies (tenant-scoped), learned from its saves and restores; kept past
@@ -94,6 +100,10 @@ class RunService:
         run_id = validate_run_id(request.run_id)
         run_call_args(method, request.args)
         store = self.tenant_store(tenant)
+        if method in ("create", "reset_to_checkpoint"):  # the run's own budget, held here: checked at the boundary
+            check_run_limits(request.args.get("config"))
+        if method == "open":
+            check_run_limits(request.args.get("limits"), where="limits")
         if method in ("create", "open"):
             if method == "create":
                 coordinator = Coordinator.create(store, run_id, request.args.get("config") or {})
@@ -101,10 +111,12 @@ class RunService:
                 coordinator = Coordinator.open(store, run_id)
             lease = uuid.uuid4().hex  # whoever opened last drives the run
             with self._lock:
-                self._hosted[(tenant, run_id)] = _Hosted(coordinator, lease)
+                self._hosted[(tenant, run_id)] = _Hosted(coordinator, lease, request.args.get("limits"))
             # A takeover: the earlier driver's calls that are still queued or on their way can no longer
             # change the run's policies (its restore comes next, and resets them).
             self._bind(tenant, run_id, stream, ())
+            if self.budgets is not None:  # the driver's calls on the model are charged to this run from now on
+                self.budgets.drive(tenant, stream, run_id)
             return RunReply(coordinator.state.to_dict(), lease)
         if method == "state":
             with self._lock:
@@ -117,12 +129,23 @@ class RunService:
             if method == "wait_rollouts":
                 return self._wait(coordinator, hosted.lease, **request.args)
             getattr(coordinator, method)(**request.args)
+            if method == "reset_to_checkpoint" and request.args.get("config") is not None:
+                hosted.limits = None  # the resumed config's budget is the run's now
         except TypeError as exc:  # a missing argument, or a value of the wrong kind, from a hand-made request
             raise UserError(f"bad arguments for {method}: {exc}") from exc
         if method == "finish":  # a finished run needs no barrier any more; reopened on demand
             with self._lock:
                 self._hosted.pop((tenant, run_id), None)
         return RunReply(coordinator.state.to_dict(), hosted.lease)
+
+    def limits(self, tenant: str, run_id: str) -> dict | None:
+        """The run's own budget as its config (the latest create or resume) set it, or None when it is not open."""
+        with self._lock:
+            hosted = self._hosted.get((tenant, run_id))
+        if hosted is None:
+            return None
+        given = hosted.limits if hosted.limits is not None else hosted.coordinator.state.config
+        return {name: given.get(name) for name in LIMITS}
 
     def _wait(self, coordinator: Coordinator, lease: str, step: int, timeout: float | None = None) -> RunReply:
         """One poll of the barrier: `done=False` when it is still open after the poll; the client,

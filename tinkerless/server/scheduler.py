@@ -115,7 +115,7 @@ class Scheduler:
         slice_seconds: float = 0.05,
         budgets: Any = None,
     ):
-        self.budgets = budgets  # server/budgets.KeyBudgets: a charged job is reserved against its key's budget
+        self.budgets = budgets  # server/run_budgets.Charges: a charged job is reserved against its key's and run's budgets
         self.max_pending = max_pending
         self.max_pending_per_tenant = max_pending_per_tenant
         self.gap_timeout = gap_timeout
@@ -153,13 +153,14 @@ class Scheduler:
     ) -> concurrent.futures.Future:
         """Queue `fn`, which changes `policies`; its future resolves to fn's result (or exception) once it
         has run, or to `StaleDriver` when one of those policies belongs to another stream's run. A `charge`d
-        job (its kind: "rollout", "openai", ...) is first reserved against the calling key's budget, which
-        raises `BudgetExceeded` when it would not fit (server/budgets.py), and settled with its seconds."""
+        job (its kind: "rollout", "openai", ...) is first reserved against the calling key's budget and the budget of
+        the run its stream drives, which raise `BudgetExceeded` when it would not fit (server/budgets.py,
+        server/run_budgets.py), and settled with its seconds."""
         reservation = None
         if charge is not None and self.budgets is not None:
             from tinkerless.server.budgets import calling_key
 
-            reservation = self.budgets.reserve(calling_key.get(), charge)
+            reservation = self.budgets.reserve(calling_key.get(), charge, tenant=tenant, stream=stream)
         if reservation is not None:
             fn = self._charged(fn, reservation)
         try:

@@ -87,7 +87,10 @@ def serve(
                 logger.info("shutting down: cancelled %d generation job(s)", cancelled)
             super().handle_exit(sig, frame)
 
-    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    try:
+        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    finally:  # a graceful stop writes what keys and runs spent since the last timed write (a crash loses <= 1 s)
+        app.state.flush_spending()
 
 
 @contextlib.contextmanager
@@ -113,3 +116,6 @@ def serve_in_thread(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, tim
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        flush = getattr(app.state, "flush_spending", None)
+        if flush is not None:
+            flush()

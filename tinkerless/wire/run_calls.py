@@ -52,7 +52,7 @@ def _status(value: Any, path: str) -> None:
 
 RUN_CALL_ARGS: dict[str, dict[str, Callable[[Any, str], None]]] = {
     "create": {"config": _optional_map},
-    "open": {},
+    "open": {"limits": _optional_map},  # the resuming driver's budget (server/run_budgets.py checks its values)
     "state": {},
     "begin_rollout": {"step": _step, "participants": _participants},
     "submit_rollout": {"step": _step, "participant": _participant},

@@ -213,7 +213,8 @@ CLOUD_BACKENDS = {
 }
 
 
-def make_backend(backend: str | Backend, model: str, **options: Any) -> Backend:
+def make_backend(backend: str | Backend, model: str, *, run_config: Any = None, **options: Any) -> Backend:
+    """The backend `backend` names; `run_config` (the run's TrainConfig) lets a SkyPilot launch print its estimate."""
     if not isinstance(backend, str):
         return backend
     if backend == "local":
@@ -226,7 +227,8 @@ def make_backend(backend: str | Backend, model: str, **options: Any) -> Backend:
     if name in CLOUD_BACKENDS and (not argument or name == "sky"):  # the cloud package (and modal or skypilot) loads only for a run that names it
         module, factory = CLOUD_BACKENDS[name].split(":")
         make = getattr(importlib.import_module(module), factory)
-        return make(model, **({"cluster": argument or None} if name == "sky" else {}), **options)
+        sky = {"cluster": argument or None, "run_config": run_config} if name == "sky" else {}
+        return make(model, **sky, **options)
     raise ConfigError(
         f"unknown backend {backend!r}", hint="backend='local', 'modal', 'sky', 'sky:<cluster>' or 'http://host:port'"
     )

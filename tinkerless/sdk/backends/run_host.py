@@ -47,7 +47,7 @@ class RunHost(Protocol):
 
     def create(self, run_id: str, config: dict) -> Any: ...  # a Coordinator or a stand-in with its methods
 
-    def open(self, run_id: str) -> Any: ...
+    def open(self, run_id: str, *, limits: dict | None = None) -> Any: ...  # limits: the run's budget (a server holds it)
 
     def latest_run_id(self, name: str) -> str: ...
 
@@ -69,8 +69,8 @@ class StorageRunHost:
     def create(self, run_id: str, config: dict) -> Coordinator:
         return Coordinator.create(self.store, run_id, config)
 
-    def open(self, run_id: str) -> Coordinator:
-        return Coordinator.open(self.store, run_id)
+    def open(self, run_id: str, *, limits: dict | None = None) -> Coordinator:
+        return Coordinator.open(self.store, run_id)  # a local run's budget is checked by its own loop
 
     def latest_run_id(self, name: str) -> str:
         return newest_run_id(list_runs(self.store), name, self.where)

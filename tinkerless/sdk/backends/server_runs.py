@@ -51,8 +51,10 @@ class ServerRunHost:
     def create(self, run_id: str, config: dict) -> "RemoteCoordinator":
         return RemoteCoordinator(self, run_id, "create", {"config": config})
 
-    def open(self, run_id: str) -> "RemoteCoordinator":
-        return RemoteCoordinator(self, run_id, "open", {})
+    def open(self, run_id: str, *, limits: dict | None = None) -> "RemoteCoordinator":
+        """Open a run to drive it; `limits` (max_compute_seconds, max_cost_usd) is its budget from now on, which the
+        server holds (server/run_budgets.py): a resume that raised it can work at once."""
+        return RemoteCoordinator(self, run_id, "open", {} if limits is None else {"limits": limits})
 
     def list(self, name: str | None = None) -> list[RunState]:
         """The caller's runs on the server (another tenant's are never listed), newest first."""

@@ -96,7 +96,7 @@ class _Run:
         self.backend = with_usage(
             backend
             or make_backend(config.backend, config.model, engine=config.engine, micro_batch_size=config.micro_batch_size,
-                            dtype=config.dtype, **config.local_backend_options())
+                            dtype=config.dtype, run_config=config, **config.local_backend_options())
         )
         try:
             # The run's state and checkpoints: in `storage`, or on the server the backend talks to.
@@ -164,7 +164,7 @@ class _Run:
         config = self.config
         if config.resume:
             run_id = config.run_id or self.host.latest_run_id(config.name)
-            coordinator = self.host.open(run_id)
+            coordinator = self.host.open(run_id, limits={k: getattr(config, k) for k in ("max_compute_seconds", "max_cost_usd")})
             if coordinator.state.config.get("kind") == "sft":  # checked before anything of that run changes
                 raise UserError(
                     f"run {run_id!r} is an SFT run, so `train --resume` cannot continue it",
