@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import json
 import struct
@@ -13,14 +14,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tinkerless.errors import InvalidRequest
+from tinkerless.errors import ConfigError, InvalidRequest
 from tinkerless.functions.losses import LossConfig
 from tinkerless.wire.content import ImagePart, TextPart, VisionInput, for_disk, image_part, to_parts
 from tinkerless.wire.messages import (CreatePolicyRequest, Datum, EpisodeLimits, ForwardBackwardRequest, ForwardRequest,
                                       OptimStepRequest, RolloutRequest, SamplingParams, UpdateRequest)
 from tinkerless.wire.validate import validate
 
-FAMILIES = ("llava", "qwen")
+FAMILIES = ("llava", "qwen", "gemma3")
 
 
 def png(width: int = 40, height: int = 30, seed: int = 0, mode: str = "RGB") -> bytes:
@@ -108,10 +109,10 @@ def test_every_user_form_of_an_image_becomes_the_same_part(tmp_path):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def vlm(request, tmp_path_factory):
-    from tinkerless.functions.vision.models import build_tiny_llava, build_tiny_qwen25_vl
+    from tinkerless.functions.vision.models import build_tiny_gemma3, build_tiny_llava, build_tiny_qwen25_vl
     from tinkerless.functions.worker import Worker
 
-    build = build_tiny_llava if request.param == "llava" else build_tiny_qwen25_vl
+    build = {"llava": build_tiny_llava, "qwen": build_tiny_qwen25_vl, "gemma3": build_tiny_gemma3}[request.param]
     worker = Worker(build(tmp_path_factory.mktemp("vlm") / request.param, initializer_range=0.2))
     worker.create_policy(CreatePolicyRequest("p1"))
     return worker
@@ -231,10 +232,56 @@ def test_lora_trains_the_language_model_only_unless_asked(vlm):
     def trained(name):
         return {n.split(".lora_")[0] for n, p in vlm.model.named_parameters() if p.requires_grad and f".{name}." in n}
 
-    assert all(".language_model." in n for n in trained("p1"))
+    first = trained("p1")
+    assert first and all(".language_model." in n for n in first)
+    if vlm.vision.processor.family == "gemma3":  # its projector is a bare weight matrix: no LoRA can go on it
+        with pytest.raises(ConfigError, match="connector has no linear layer"):
+            vlm.create_policy(CreatePolicyRequest("pc", LoraConfig(rank=2, vision="connector")))
+        return
     vlm.create_policy(CreatePolicyRequest("pc", LoraConfig(rank=2, vision="connector")))
+    # A second adapter goes on the same layers as the first (not on the first's LoRA layers), plus the connector.
+    assert {n for n in trained("pc") if ".language_model." in n} == first
     assert any("multi_modal_projector" in n or "merger" in n for n in trained("pc"))
     assert not any("vision_tower" in n or "visual.blocks" in n for n in trained("pc"))
+
+
+def test_gemma3_prompts_equal_its_own_processors_ids(vlm):
+    """Gemma 3's template writes `<start_of_image>` per image; its processor (Gemma3Processor, which runs without
+    torchvision) expands each to the soft image tokens between newlines. The engine's render gives those ids."""
+    from PIL import Image
+    from transformers import Gemma3Processor
+
+    if vlm.vision.processor.family != "gemma3":
+        pytest.skip("LLaVA's render is checked against LlavaProcessor in test_vision_runs; Qwen2.5-VL's processor needs torchvision")
+    tokenizer = vlm.vision.chat.chat.tokenizer
+    for name in ("boi", "eoi", "image"):  # what Gemma 3's own tokenizer carries as attributes
+        token = {"boi": "<start_of_image>", "eoi": "<end_of_image>", "image": "<image_soft_token>"}[name]
+        setattr(tokenizer, f"{name}_token", token)
+        setattr(tokenizer, f"{name}_token_id", tokenizer.convert_tokens_to_ids(token))
+    processor = Gemma3Processor(image_processor=vlm.vision.processor.image_processor, tokenizer=tokenizer,
+                                chat_template=tokenizer.chat_template, image_seq_length=vlm.base_model.config.mm_tokens_per_image)
+    pictures = [png(20 + 7 * i, 24, seed=i) for i in range(3)]
+    for content in ([0, "what?"], ["a", 1, "then", 2, "b"], [0, 0]):
+        parts = [{"type": "text", "text": c} if isinstance(c, str) else {"type": "image"} for c in content]
+        messages = [{"role": "system", "content": "look"}, {"role": "user", "content": parts}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        images = [Image.open(io.BytesIO(pictures[c])) for c in content if isinstance(c, int)]
+        expected = processor(images=images, text=[text], return_tensors="np")["input_ids"][0].tolist()
+        ours = [{**m, "content": [p if p["type"] == "text" else image_part(pictures[c])
+                                  for p, c in zip(m["content"], content)]} if m["role"] == "user" else m for m in messages]
+        tokens, shown = vlm.vision.chat.prompt(ours)
+        assert tokens == expected and len(shown) == len(images)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here")
+@pytest.mark.parametrize("processor", ["Idefics3ImageProcessor", "SmolVLMImageProcessor"])
+def test_a_model_whose_image_processor_needs_torchvision_is_refused_naming_it(processor, tmp_path):
+    from tinkerless.functions.vision.models import load_vision_model
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": processor}))
+    with pytest.raises(ConfigError, match=f"{processor}.*needs torchvision") as caught:
+        load_vision_model(str(tmp_path), dtype=None, device="cpu")  # refused before any weights are read
+    assert caught.value.category == "user"
 
 
 def test_a_forged_processed_image_is_a_4xx(vlm):

@@ -120,7 +120,7 @@ class ModelShape:
 def vision_params(config: Any) -> int:
     """Parameters of a VLM's vision tower and connector, from its config alone (0 for a text model): per layer
     attention (4 h^2) and MLP (2 or, gated as Qwen-VL's, 3 h x intermediate); the patch embedding; the connector
-    (LLaVA's two-layer projector to the text width; Qwen-VL's merger of merge^2 patches)."""
+    (LLaVA's two-layer projector to the text width; Gemma 3's one matrix; Qwen-VL's merger of merge^2 patches)."""
     as_dict = config if isinstance(config, dict) else getattr(config, "to_dict", lambda: {})()
     vision = as_dict.get("vision_config")
     if not isinstance(vision, dict):
@@ -140,7 +140,8 @@ def vision_params(config: Any) -> int:
         merged = h * int(vision.get("spatial_merge_size") or 2) ** 2
         connector = merged * merged + merged * out
     else:
-        connector = h * out + out * out
+        # Gemma 3's connector is one h x out matrix (after a norm and pooling); LLaVA's, two linear layers.
+        connector = h * out + h if "mm_tokens_per_image" in as_dict else h * out + out * out
         tower += int((int(vision.get("image_size") or 224) // patch) ** 2) * h  # position embeddings
     return tower + connector
 

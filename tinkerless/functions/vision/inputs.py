@@ -82,6 +82,16 @@ def position_ids(model: Any, input_ids: torch.Tensor, rows_images: list[list[Vis
     return positions
 
 
+def attention_inputs(model: Any, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What the model's attention needs beyond positions. Gemma 3 attends bidirectionally within each image, as
+    its own forward with pixel values does: its `token_type_ids` mark the image tokens. Other families: nothing.
+    The sampler's prefill and the update's forward both pass these, so both attend alike."""
+    config = unwrap(model).config
+    if config.model_type != "gemma3":
+        return {}
+    return {"token_type_ids": (input_ids == int(config.image_token_id)).long()}
+
+
 def placeholder_ids(model: Any) -> list[int]:
     """Token ids that stand for image (and video) features: never sampled, so that a sampled turn cannot open an
     image slot. The sampler draws from, and the update scores under, the same distribution with them masked."""

@@ -22,7 +22,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from tinkerless.errors import UserError
 from tinkerless.functions.sampling.engine import Generation, draw_rows, row_seed
-from tinkerless.functions.vision.inputs import (encode_images, merged_embeddings, placeholder_ids, position_ids,
+from tinkerless.functions.vision.inputs import (attention_inputs, encode_images, merged_embeddings, placeholder_ids, position_ids,
                                                without_placeholders)
 from tinkerless.wire.content import VisionInput
 from tinkerless.wire.messages import GREEDY_BELOW, SamplingParams
@@ -101,7 +101,7 @@ class VisionSampler:
         positions = full_positions[:, :, cached:] if full_positions is not None else \
             torch.arange(cached, len(tokens), device=device)[None]
         out = model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+                    logits_to_keep=1, **attention_inputs(model, new_ids))
         banned = placeholder_ids(model)
         logits = without_placeholders(out.logits[:, -1].float(), banned)
         n = len(rows)
