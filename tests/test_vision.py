@@ -21,7 +21,7 @@ from tinkerless.wire.messages import (CreatePolicyRequest, Datum, EpisodeLimits,
                                       OptimStepRequest, RolloutRequest, SamplingParams, UpdateRequest)
 from tinkerless.wire.validate import validate
 
-FAMILIES = ("llava", "qwen", "gemma3")
+FAMILIES = ("llava", "qwen", "qwen3", "gemma3")
 
 
 def png(width: int = 40, height: int = 30, seed: int = 0, mode: str = "RGB") -> bytes:
@@ -109,10 +109,11 @@ def test_every_user_form_of_an_image_becomes_the_same_part(tmp_path):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def vlm(request, tmp_path_factory):
-    from tinkerless.functions.vision.models import build_tiny_gemma3, build_tiny_llava, build_tiny_qwen25_vl
+    from tinkerless.functions.vision.models import (build_tiny_gemma3, build_tiny_llava, build_tiny_qwen3_vl,
+                                                    build_tiny_qwen25_vl)
     from tinkerless.functions.worker import Worker
 
-    build = {"llava": build_tiny_llava, "qwen": build_tiny_qwen25_vl, "gemma3": build_tiny_gemma3}[request.param]
+    build = {"llava": build_tiny_llava, "qwen": build_tiny_qwen25_vl, "qwen3": build_tiny_qwen3_vl, "gemma3": build_tiny_gemma3}[request.param]
     worker = Worker(build(tmp_path_factory.mktemp("vlm") / request.param, initializer_range=0.2))
     worker.create_policy(CreatePolicyRequest("p1"))
     return worker
@@ -282,6 +283,34 @@ def test_a_model_whose_image_processor_needs_torchvision_is_refused_naming_it(pr
     with pytest.raises(ConfigError, match=f"{processor}.*needs torchvision") as caught:
         load_vision_model(str(tmp_path), dtype=None, device="cpu")  # refused before any weights are read
     assert caught.value.category == "user"
+
+
+def test_the_engines_image_inputs_give_the_models_own_logits(vlm):
+    """The features merged into the embeddings (plus Qwen-VL's positions, Qwen3-VL's DeepStack, Gemma 3's
+    bidirectional image attention) give the logits of the model's own forward with pixel values."""
+    import torch
+
+    from tinkerless.functions.vision.inputs import (attention_inputs, deepstack, encode_images, merged_embeddings,
+                                                    position_ids, unwrap)
+
+    processor, model = vlm.vision.processor, unwrap(vlm.model)
+    messages = [{"role": "user", "content": [TextPart("a"), image_part(png(40, 50, seed=1)), TextPart("b"),
+                                             image_part(png(30, 20, seed=2))]}]
+    tokens, parts = vlm.vision.chat.prompt(messages)
+    images = [processor.process(p) for p in parts]
+    ids = torch.tensor([tokens])
+    own = {"pixel_values": torch.as_tensor(np.concatenate([i.pixel_values for i in images]) if images[0].grid_thw
+                                           else np.stack([i.pixel_values for i in images]))}
+    if images[0].grid_thw:
+        own |= {"image_grid_thw": torch.tensor([i.grid_thw for i in images]),
+                "mm_token_type_ids": (ids == processor.image_token_id).int()}
+    with torch.no_grad():
+        expected = model(input_ids=ids, **own, **attention_inputs(model, ids)).logits
+        features = encode_images(model, images)
+        with deepstack(model, ids, [images], features):
+            ours = model(inputs_embeds=merged_embeddings(model, ids, [images], features, processor.image_token_id),
+                         position_ids=position_ids(model, ids, [images]), **attention_inputs(model, ids)).logits
+    assert torch.allclose(ours, expected, atol=1e-5), (ours - expected).abs().max()
 
 
 def test_a_forged_processed_image_is_a_4xx(vlm):

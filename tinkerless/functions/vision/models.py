@@ -5,7 +5,7 @@ A model directory whose config is an image-text-to-text model (LLaVA-style, Qwen
 a full `AutoProcessor` needs torchvision for several families (Qwen2.5-VL's video processor), and the engine
 expands image tokens itself (`processing.py`), as the model's template defines them.
 
-`build_tiny_llava` / `build_tiny_qwen25_vl` / `build_tiny_gemma3` save tiny random models built from configs, offline, for tests;
+`build_tiny_llava` / `build_tiny_qwen25_vl` / `build_tiny_qwen3_vl` / `build_tiny_gemma3` save tiny random models built from configs, offline, for tests;
 `build_smollm2_llava` is the demo's model: SmolLM2-135M's real weights as the language model, a freshly
 initialized small SigLIP tower and projector, cached like the converted SmolLM2.
 """
@@ -22,8 +22,9 @@ from tinkerless.wire.messages import LoraConfig
 TINY_LLAVA = "tiny-llava"
 TINY_QWEN_VL = "tiny-qwen2.5-vl"
 TINY_GEMMA3 = "tiny-gemma3"
+TINY_QWEN3_VL = "tiny-qwen3-vl"
 SMOLLM2_LLAVA = "smollm2-llava"
-VISION_MODELS = (TINY_LLAVA, TINY_QWEN_VL, TINY_GEMMA3, SMOLLM2_LLAVA)  # the built-in vision-language model names
+VISION_MODELS = (TINY_LLAVA, TINY_QWEN_VL, TINY_QWEN3_VL, TINY_GEMMA3, SMOLLM2_LLAVA)  # the built-in vision-language model names
 # A chat template that renders content parts: text as is, each image as the model's image placeholder.
 _PARTS_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -57,6 +58,8 @@ def vision_source(spec: str) -> str | None:
         return build_tiny_llava(cache_dir() / "models" / "tiny-llava-s0")
     if spec == TINY_QWEN_VL:
         return build_tiny_qwen25_vl(cache_dir() / "models" / "tiny-qwen2.5-vl-s0")
+    if spec == TINY_QWEN3_VL:
+        return build_tiny_qwen3_vl(cache_dir() / "models" / "tiny-qwen3-vl-s0")
     if spec == TINY_GEMMA3:
         return build_tiny_gemma3(cache_dir() / "models" / "tiny-gemma3-s0")
     if spec == SMOLLM2_LLAVA:
@@ -212,6 +215,44 @@ def build_tiny_qwen25_vl(path: str | Path, *, seed: int = 0, hidden_size: int = 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
     processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
+                                         temporal_patch_size=2)
+    return _save(path, model, tokenizer, processor)
+
+
+def build_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, hidden_size: int = 64,
+                        initializer_range: float = 0.02) -> str:
+    """A tiny random Qwen3-VL: interleaved multimodal rotary positions, a 2-block tower (patch 16 merged 2 x 2) whose
+    first block's features are also added to the first LM layer's image positions (DeepStack)."""
+    import torch
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return str(path)
+    tokenizer = _tiny_vision_tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+                                       "<|vision_start|><|image_pad|><|vision_end|>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=4096, initializer_range=initializer_range,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True},
+                         pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=hidden_size, intermediate_size=64, num_heads=2,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0], initializer_range=initializer_range),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    processor = Qwen2VLImageProcessorPil(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16, merge_size=2,
                                          temporal_patch_size=2)
     return _save(path, model, tokenizer, processor)
 
