@@ -468,3 +468,32 @@ def test_agent_functions_whose_openai_calls_carry_images_train_on_them(vlm):
                              EpisodeLimits(max_turns=4), seed=2, agent=pack_code(_looks_and_answers()))
     (failed,) = _handle(vlm, "rollout", hostile).episodes
     assert failed.status == "error" and "400" in failed.error, failed.error
+
+
+def test_agents_in_a_tenants_sandbox_send_images_too(tmp_path):
+    """On a shared server the agent copies run in the tenant's sandboxed host and reach the model over its
+    channel: their image_url calls are sampled with the images and recorded as in-process."""
+    from tinkerless.functions.hosting.user_code import UserCodeHosts
+    from tinkerless.functions.vision.models import build_tiny_llava
+    from tinkerless.functions.worker import Worker
+    from tinkerless.wire import pack_code
+
+    hosts = UserCodeHosts()
+    worker = Worker(build_tiny_llava(tmp_path / "llava", initializer_range=0.2), user_code_hosts=hosts)
+    try:
+        worker.create_policy(CreatePolicyRequest("p1"))
+        tasks = [{"picture": data_url(png(30, 20, seed=s))} for s in range(2)]
+        request = RolloutRequest("p1", tasks, 2, SamplingParams(max_tokens=3), EpisodeLimits(max_turns=4), seed=2,
+                                 agent=pack_code(_looks_and_answers()))
+        result = _handle(worker, "rollout", request)
+        assert result.stats["agent_generate_calls"] > 0  # the sandboxed path, not the in-process one
+        assert all(e.status == "ok" and e.num_turns == 2 for e in result.episodes), [e.error for e in result.episodes]
+        image_token = worker.vision.processor.image_token_id
+        for e in result.episodes:
+            assert len(e.images) == 2 and (e.tokens == image_token).sum() == sum(i.num_tokens for i in e.images)
+            assert (e.mask[e.tokens == image_token] == 0).all() and e.mask.sum() > 0
+        data = [Datum(e.tokens, e.mask, sampler_logprobs=e.sampler_logprobs, advantages=e.mask, images=e.images)
+                for e in result.episodes]
+        assert _gap(_handle(worker, "forward", ForwardRequest("p1", data)), result.episodes) < 1e-4
+    finally:
+        hosts.close()
