@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import json
 import struct
@@ -13,14 +14,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tinkerless.errors import InvalidRequest
+from tinkerless.errors import ConfigError, InvalidRequest
 from tinkerless.functions.losses import LossConfig
 from tinkerless.wire.content import ImagePart, TextPart, VisionInput, for_disk, image_part, to_parts
 from tinkerless.wire.messages import (CreatePolicyRequest, Datum, EpisodeLimits, ForwardBackwardRequest, ForwardRequest,
                                       OptimStepRequest, RolloutRequest, SamplingParams, UpdateRequest)
 from tinkerless.wire.validate import validate
 
-FAMILIES = ("llava", "qwen")
+FAMILIES = ("llava", "qwen", "qwen3", "gemma3")
 
 
 def png(width: int = 40, height: int = 30, seed: int = 0, mode: str = "RGB") -> bytes:
@@ -108,10 +109,11 @@ def test_every_user_form_of_an_image_becomes_the_same_part(tmp_path):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def vlm(request, tmp_path_factory):
-    from tinkerless.functions.vision.models import build_tiny_llava, build_tiny_qwen25_vl
+    from tinkerless.functions.vision.models import (build_tiny_gemma3, build_tiny_llava, build_tiny_qwen3_vl,
+                                                    build_tiny_qwen25_vl)
     from tinkerless.functions.worker import Worker
 
-    build = build_tiny_llava if request.param == "llava" else build_tiny_qwen25_vl
+    build = {"llava": build_tiny_llava, "qwen": build_tiny_qwen25_vl, "qwen3": build_tiny_qwen3_vl, "gemma3": build_tiny_gemma3}[request.param]
     worker = Worker(build(tmp_path_factory.mktemp("vlm") / request.param, initializer_range=0.2))
     worker.create_policy(CreatePolicyRequest("p1"))
     return worker
@@ -231,10 +233,84 @@ def test_lora_trains_the_language_model_only_unless_asked(vlm):
     def trained(name):
         return {n.split(".lora_")[0] for n, p in vlm.model.named_parameters() if p.requires_grad and f".{name}." in n}
 
-    assert all(".language_model." in n for n in trained("p1"))
+    first = trained("p1")
+    assert first and all(".language_model." in n for n in first)
+    if vlm.vision.processor.family == "gemma3":  # its projector is a bare weight matrix: no LoRA can go on it
+        with pytest.raises(ConfigError, match="connector has no linear layer"):
+            vlm.create_policy(CreatePolicyRequest("pc", LoraConfig(rank=2, vision="connector")))
+        return
     vlm.create_policy(CreatePolicyRequest("pc", LoraConfig(rank=2, vision="connector")))
+    # A second adapter goes on the same layers as the first (not on the first's LoRA layers), plus the connector.
+    assert {n for n in trained("pc") if ".language_model." in n} == first
     assert any("multi_modal_projector" in n or "merger" in n for n in trained("pc"))
     assert not any("vision_tower" in n or "visual.blocks" in n for n in trained("pc"))
+
+
+def test_gemma3_prompts_equal_its_own_processors_ids(vlm):
+    """Gemma 3's template writes `<start_of_image>` per image; its processor (Gemma3Processor, which runs without
+    torchvision) expands each to the soft image tokens between newlines. The engine's render gives those ids."""
+    from PIL import Image
+    from transformers import Gemma3Processor
+
+    if vlm.vision.processor.family != "gemma3":
+        pytest.skip("LLaVA's render is checked against LlavaProcessor in test_vision_runs; Qwen2.5-VL's processor needs torchvision")
+    tokenizer = vlm.vision.chat.chat.tokenizer
+    for name in ("boi", "eoi", "image"):  # what Gemma 3's own tokenizer carries as attributes
+        token = {"boi": "<start_of_image>", "eoi": "<end_of_image>", "image": "<image_soft_token>"}[name]
+        setattr(tokenizer, f"{name}_token", token)
+        setattr(tokenizer, f"{name}_token_id", tokenizer.convert_tokens_to_ids(token))
+    processor = Gemma3Processor(image_processor=vlm.vision.processor.image_processor, tokenizer=tokenizer,
+                                chat_template=tokenizer.chat_template, image_seq_length=vlm.base_model.config.mm_tokens_per_image)
+    pictures = [png(20 + 7 * i, 24, seed=i) for i in range(3)]
+    for content in ([0, "what?"], ["a", 1, "then", 2, "b"], [0, 0]):
+        parts = [{"type": "text", "text": c} if isinstance(c, str) else {"type": "image"} for c in content]
+        messages = [{"role": "system", "content": "look"}, {"role": "user", "content": parts}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        images = [Image.open(io.BytesIO(pictures[c])) for c in content if isinstance(c, int)]
+        expected = processor(images=images, text=[text], return_tensors="np")["input_ids"][0].tolist()
+        ours = [{**m, "content": [p if p["type"] == "text" else image_part(pictures[c])
+                                  for p, c in zip(m["content"], content)]} if m["role"] == "user" else m for m in messages]
+        tokens, shown = vlm.vision.chat.prompt(ours)
+        assert tokens == expected and len(shown) == len(images)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here")
+@pytest.mark.parametrize("processor", ["Idefics3ImageProcessor", "SmolVLMImageProcessor"])
+def test_a_model_whose_image_processor_needs_torchvision_is_refused_naming_it(processor, tmp_path):
+    from tinkerless.functions.vision.models import load_vision_model
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": processor}))
+    with pytest.raises(ConfigError, match=f"{processor}.*needs torchvision") as caught:
+        load_vision_model(str(tmp_path), dtype=None, device="cpu")  # refused before any weights are read
+    assert caught.value.category == "user"
+
+
+def test_the_engines_image_inputs_give_the_models_own_logits(vlm):
+    """The features merged into the embeddings (plus Qwen-VL's positions, Qwen3-VL's DeepStack, Gemma 3's
+    bidirectional image attention) give the logits of the model's own forward with pixel values."""
+    import torch
+
+    from tinkerless.functions.vision.inputs import (attention_inputs, deepstack, encode_images, merged_embeddings,
+                                                    position_ids, unwrap)
+
+    processor, model = vlm.vision.processor, unwrap(vlm.model)
+    messages = [{"role": "user", "content": [TextPart("a"), image_part(png(40, 50, seed=1)), TextPart("b"),
+                                             image_part(png(30, 20, seed=2))]}]
+    tokens, parts = vlm.vision.chat.prompt(messages)
+    images = [processor.process(p) for p in parts]
+    ids = torch.tensor([tokens])
+    own = {"pixel_values": torch.as_tensor(np.concatenate([i.pixel_values for i in images]) if images[0].grid_thw
+                                           else np.stack([i.pixel_values for i in images]))}
+    if images[0].grid_thw:
+        own |= {"image_grid_thw": torch.tensor([i.grid_thw for i in images]),
+                "mm_token_type_ids": (ids == processor.image_token_id).int()}
+    with torch.no_grad():
+        expected = model(input_ids=ids, **own, **attention_inputs(model, ids)).logits
+        features = encode_images(model, images)
+        with deepstack(model, ids, [images], features):
+            ours = model(inputs_embeds=merged_embeddings(model, ids, [images], features, processor.image_token_id),
+                         position_ids=position_ids(model, ids, [images]), **attention_inputs(model, ids)).logits
+    assert torch.allclose(ours, expected, atol=1e-5), (ours - expected).abs().max()
 
 
 def test_a_forged_processed_image_is_a_4xx(vlm):
@@ -392,3 +468,32 @@ def test_agent_functions_whose_openai_calls_carry_images_train_on_them(vlm):
                              EpisodeLimits(max_turns=4), seed=2, agent=pack_code(_looks_and_answers()))
     (failed,) = _handle(vlm, "rollout", hostile).episodes
     assert failed.status == "error" and "400" in failed.error, failed.error
+
+
+def test_agents_in_a_tenants_sandbox_send_images_too(tmp_path):
+    """On a shared server the agent copies run in the tenant's sandboxed host and reach the model over its
+    channel: their image_url calls are sampled with the images and recorded as in-process."""
+    from tinkerless.functions.hosting.user_code import UserCodeHosts
+    from tinkerless.functions.vision.models import build_tiny_llava
+    from tinkerless.functions.worker import Worker
+    from tinkerless.wire import pack_code
+
+    hosts = UserCodeHosts()
+    worker = Worker(build_tiny_llava(tmp_path / "llava", initializer_range=0.2), user_code_hosts=hosts)
+    try:
+        worker.create_policy(CreatePolicyRequest("p1"))
+        tasks = [{"picture": data_url(png(30, 20, seed=s))} for s in range(2)]
+        request = RolloutRequest("p1", tasks, 2, SamplingParams(max_tokens=3), EpisodeLimits(max_turns=4), seed=2,
+                                 agent=pack_code(_looks_and_answers()))
+        result = _handle(worker, "rollout", request)
+        assert result.stats["agent_generate_calls"] > 0  # the sandboxed path, not the in-process one
+        assert all(e.status == "ok" and e.num_turns == 2 for e in result.episodes), [e.error for e in result.episodes]
+        image_token = worker.vision.processor.image_token_id
+        for e in result.episodes:
+            assert len(e.images) == 2 and (e.tokens == image_token).sum() == sum(i.num_tokens for i in e.images)
+            assert (e.mask[e.tokens == image_token] == 0).all() and e.mask.sum() > 0
+        data = [Datum(e.tokens, e.mask, sampler_logprobs=e.sampler_logprobs, advantages=e.mask, images=e.images)
+                for e in result.episodes]
+        assert _gap(_handle(worker, "forward", ForwardRequest("p1", data)), result.episodes) < 1e-4
+    finally:
+        hosts.close()

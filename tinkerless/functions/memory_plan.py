@@ -120,7 +120,7 @@ class ModelShape:
 def vision_params(config: Any) -> int:
     """Parameters of a VLM's vision tower and connector, from its config alone (0 for a text model): per layer
     attention (4 h^2) and MLP (2 or, gated as Qwen-VL's, 3 h x intermediate); the patch embedding; the connector
-    (LLaVA's two-layer projector to the text width; Qwen-VL's merger of merge^2 patches)."""
+    (LLaVA's two-layer projector to the text width; Gemma 3's one matrix; Qwen-VL's merger of merge^2 patches)."""
     as_dict = config if isinstance(config, dict) else getattr(config, "to_dict", lambda: {})()
     vision = as_dict.get("vision_config")
     if not isinstance(vision, dict):
@@ -131,16 +131,19 @@ def vision_params(config: Any) -> int:
         return 0
     layers = int(vision.get("num_hidden_layers") or vision.get("depth") or 0)
     inter = int(vision.get("intermediate_size") or 4 * h)
-    gated = "spatial_merge_size" in vision  # Qwen-VL's towers have gated MLPs
+    deepstack = len(vision.get("deepstack_visual_indexes") or ())  # Qwen3-VL: a merger per tapped tower layer
+    gated = "spatial_merge_size" in vision and "deepstack_visual_indexes" not in vision  # Qwen2/2.5-VL's MLPs
     patch = int(vision.get("patch_size") or 14)
     channels = int(vision.get("num_channels") or vision.get("in_chans") or 3) * int(vision.get("temporal_patch_size") or 1)
     tower = layers * (4 * h * h + (3 if gated else 2) * h * inter) + channels * patch * patch * h
     out = int(vision.get("out_hidden_size") or text.get("hidden_size") or h)
-    if gated:
+    if "spatial_merge_size" in vision:  # Qwen-VL: a merger of merge^2 patches
         merged = h * int(vision.get("spatial_merge_size") or 2) ** 2
-        connector = merged * merged + merged * out
+        connector = (merged * merged + merged * out) * (1 + deepstack)
+        tower += int(vision.get("num_position_embeddings") or 0) * h  # Qwen3-VL's learned positions
     else:
-        connector = h * out + out * out
+        # Gemma 3's connector is one h x out matrix (after a norm and pooling); LLaVA's, two linear layers.
+        connector = h * out + h if "mm_tokens_per_image" in as_dict else h * out + out * out
         tower += int((int(vision.get("image_size") or 224) // patch) ** 2) * h  # position embeddings
     return tower + connector
 

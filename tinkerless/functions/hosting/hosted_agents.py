@@ -94,16 +94,18 @@ class ModelThread(concurrent.futures.Executor):
 
 def run_hosted_agent_episodes(
     engine: Any, tokenizer: Any, *, agent: HostedFunction, policy: str | None, tasks: list[dict], group_size: int,
-    sampling: SamplingParams, limits: EpisodeLimits, seed: int, timeout: float,
+    sampling: SamplingParams, limits: EpisodeLimits, seed: int, timeout: float, vision: Any = None,
 ) -> tuple[list[Episode], dict]:
-    """Like `run_agent_episodes`, with the copies in `agent`'s sandboxed host; the episodes and statistics."""
+    """Like `run_agent_episodes`, with the copies in `agent`'s sandboxed host; the episodes and statistics.
+    With `vision` (a VLM's runtime) the copies' calls may carry images (`image_url` data URLs in the request
+    bodies, within the channel's MAX_BODY_BYTES), sampled and recorded as in-process."""
     if not isinstance(agent, HostedFunction):
         raise UserError(f"the agent is a {type(agent).__name__}, not a function",
                         hint="decorate an `async def agent(client, task)` function with @tinkerless.agent")
     copies = make_copies(tokenizer, tasks, group_size, seed)
     model = ModelThread()
     backend = PolicyBackend(engine, tokenizer, policy=policy, sampling=sampling, limits=limits,
-                            copies={c.episode_id: c for c in copies}, executor=model)
+                            copies={c.episode_id: c for c in copies}, executor=model, vision=vision)
     result: dict[str, Any] = {}
 
     def drive() -> None:

@@ -112,7 +112,7 @@ def _agent_rollout(
         if hosts is not None:  # a shared server: the copies run in the tenant's sandbox
             from tinkerless.functions.hosting.hosted_agents import run_hosted_agent_episodes
 
-            episodes, stats = run_hosted_agent_episodes(engine, tokenizer, agent=agent, **options)
+            episodes, stats = run_hosted_agent_episodes(engine, tokenizer, agent=agent, vision=vision, **options)
         else:
             episodes = run_agent_episodes(engine, tokenizer, agent=agent, transport=request.agent_transport, vision=vision,
                                           **options)

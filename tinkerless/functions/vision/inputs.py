@@ -3,6 +3,7 @@
 Both the sampler's prefill and the update's forward call these, so both see the same images the same way:
 - `encode_images` runs the vision tower (and connector) once per distinct image (by content hash);
 - `merged_embeddings` puts each image's features at its image tokens, in order;
+- `deepstack` adds Qwen3-VL's DeepStack features (tower layers' outputs) to the LM's first layers;
 - `position_ids` are Qwen2.5-VL's multimodal rotary positions over the whole sequence (None for LLaVA-style
   models, whose positions are plain), so a continuation prefilled on a kept cache takes its slice of the same
   positions a full forward computes.
@@ -10,6 +11,7 @@ Both the sampler's prefill and the update's forward call these, so both see the 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -45,7 +47,37 @@ def encode_images(model: Any, images: list[VisionInput]) -> dict[str, torch.Tens
     for image, feature in zip(order, features):
         if feature.shape[0] != image.num_tokens:
             raise ValueError(f"image {image.sha256[:12]} gave {feature.shape[0]} features for {image.num_tokens} tokens")
-    return {image.sha256: feature for image, feature in zip(order, features)}
+    encoded = {image.sha256: feature for image, feature in zip(order, features)}
+    stacks = getattr(out, "deepstack_features", None)
+    if stacks:  # Qwen3-VL: per tower layer it taps, features of every image's tokens, in order
+        per_image = torch.stack(list(stacks)).split([i.num_tokens for i in order], dim=1)
+        encoded.update({image.sha256 + DEEPSTACK: stack for image, stack in zip(order, per_image)})
+    return encoded
+
+
+DEEPSTACK = "/deepstack"  # encode_images' key suffix for an image's DeepStack features [layers, tokens, hidden]
+
+
+@contextlib.contextmanager
+def deepstack(model: Any, input_ids: torch.Tensor, rows_images: list[list[VisionInput]], features: dict):
+    """While in it, Qwen3-VL's language model adds each image's DeepStack features to its first layers' hidden
+    states at the image tokens, as its own forward with pixel values does (other families: nothing). Its top
+    forward only computes them from pixel values, so they go in through a hook on the language model."""
+    images = [i for row in rows_images for i in row]
+    if not images or images[0].sha256 + DEEPSTACK not in features:
+        yield
+        return
+    mask = input_ids == int(unwrap(model).config.image_token_id)
+    stacks = torch.cat([features[i.sha256 + DEEPSTACK] for i in images], dim=1)  # row by row, in token order
+
+    def add_deepstack(module, args, kwargs):
+        return args, {**kwargs, "visual_pos_masks": mask, "deepstack_visual_embeds": list(stacks.to(mask.device))}
+
+    hook = unwrap(model).model.language_model.register_forward_pre_hook(add_deepstack, with_kwargs=True)
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def merged_embeddings(model: Any, input_ids: torch.Tensor, rows_images: list[list[VisionInput]],
@@ -80,6 +112,16 @@ def position_ids(model: Any, input_ids: torch.Tensor, rows_images: list[list[Vis
     grid = torch.tensor(grids, device=input_ids.device)
     positions, _ = inner.get_rope_index(input_ids, types, image_grid_thw=grid, attention_mask=attention_mask)
     return positions
+
+
+def attention_inputs(model: Any, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What the model's attention needs beyond positions. Gemma 3 attends bidirectionally within each image, as
+    its own forward with pixel values does: its `token_type_ids` mark the image tokens. Other families: nothing.
+    The sampler's prefill and the update's forward both pass these, so both attend alike."""
+    config = unwrap(model).config
+    if config.model_type != "gemma3":
+        return {}
+    return {"token_type_ids": (input_ids == int(config.image_token_id)).long()}
 
 
 def placeholder_ids(model: Any) -> list[int]:

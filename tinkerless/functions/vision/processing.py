@@ -2,6 +2,7 @@
 
 `VisionProcessor` holds a VLM's image processor and knows its family's image tokens:
 - LLaVA-style (CLIP / SigLIP towers): one `<image>` placeholder becomes (image_size / patch)^2 image tokens;
+- Gemma 3: `<image_soft_token>` becomes `mm_tokens_per_image` tokens (its projector pools the tower's patches);
 - Qwen2.5-VL: `<|image_pad|>` between `<|vision_start|>` and `<|vision_end|>` becomes grid_t * grid_h * grid_w /
   merge^2 tokens, the grid coming from the image processor.
 
@@ -28,7 +29,7 @@ class VisionProcessor:
     def __init__(self, config: Any, image_processor: Any):
         self.config = config
         self.image_processor = image_processor
-        self.family = "qwen" if config.model_type.startswith("qwen") else "llava"
+        self.family = "qwen" if config.model_type.startswith("qwen") else "gemma3" if config.model_type == "gemma3" else "llava"
         self.image_token_id = int(config.image_token_id)
         self._cache: dict[str, VisionInput] = {}  # processed images by content hash (the processor is deterministic)
 
@@ -45,6 +46,8 @@ class VisionProcessor:
             grid = [int(g) for g in np.asarray(out["image_grid_thw"])[0]]
             merge = int(self.config.vision_config.spatial_merge_size)
             tokens = grid[0] * grid[1] * grid[2] // (merge * merge)
+        elif self.family == "gemma3":  # the projector pools the tower's patches to a fixed count per image
+            pixels, grid, tokens = pixels[0], [], int(self.config.mm_tokens_per_image)
         else:
             pixels, grid = pixels[0], []
             vision = self.config.vision_config
@@ -72,7 +75,8 @@ class VisionProcessor:
         else:
             size = int(self.config.vision_config.image_size)
             expected = (size // int(self.config.vision_config.patch_size)) ** 2
-            ok = pixels.shape == (3, size, size) and not image.grid_thw and image.num_tokens in (expected, expected + 1)
+            counts = (int(self.config.mm_tokens_per_image),) if self.family == "gemma3" else (expected, expected + 1)
+            ok = pixels.shape == (3, size, size) and not image.grid_thw and image.num_tokens in counts
         if not ok:
             raise UserError(f"{where}: a processed image of shape {pixels.shape}, grid {image.grid_thw} and "
                             f"{image.num_tokens} tokens is not what this model's processor gives",
@@ -116,6 +120,23 @@ class VisionChat:
     def __init__(self, chat: ChatFormat, processor: VisionProcessor):
         self.chat, self.processor = chat, processor
         self.placeholder = self._probe_placeholder()
+        self._image_sequence = self._gemma3_image_sequence()
+
+    def _gemma3_image_sequence(self) -> tuple[str, str] | None:
+        """Gemma 3's template writes an image as `<start_of_image>` alone; its processor then replaces each one
+        in the text with "\n\n<start_of_image>" + the soft image tokens + "<end_of_image>\n\n". This is that
+        replacement, with one soft token, expanded as any placeholder (None: the template writes it whole)."""
+        config = self.processor.config
+        if self.processor.family != "gemma3":
+            return None
+        boi, eoi, image = self.chat.tokenizer.convert_ids_to_tokens(
+            [int(config.boi_token_index), int(config.eoi_token_index), self.processor.image_token_id])
+        if image in self.placeholder:
+            return None
+        return boi, f"\n\n{boi}{image}{eoi}\n\n"
+
+    def _with_image_sequences(self, text: str) -> str:
+        return text.replace(*self._image_sequence) if self._image_sequence else text
 
     def _probe_placeholder(self) -> str:
         message = {"role": "user", "content": [{"type": "text", "text": _MARK_A}, {"type": "image"},
@@ -136,6 +157,7 @@ class VisionChat:
                 content = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in content]
             rendered.append({**message, "content": content})
         text = self.chat.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        text = self._with_image_sequences(text)
         return self.processor.expand(self.chat.encode(text), [self.processor.process(p) for p in images]), images
 
     def observation(self, content: Any, *, last_token: int | None) -> tuple[list[int], list[ImagePart]]:
@@ -143,7 +165,7 @@ class VisionChat:
         parts = to_parts(content, "observation")
         if isinstance(parts, str):
             return self.chat.observation_tokens(parts, last_token=last_token), []
-        text = "".join(p.text if isinstance(p, TextPart) else self.placeholder for p in parts)
+        text = self._with_image_sequences("".join(p.text if isinstance(p, TextPart) else self.placeholder for p in parts))
         images = [p for p in parts if isinstance(p, ImagePart)]
         tokens = self.chat.observation_tokens(text, last_token=last_token)
         return self.processor.expand(tokens, [self.processor.process(p) for p in images]), images

@@ -23,7 +23,8 @@ from transformers import DynamicCache
 from tinkerless.errors import UserError
 from tinkerless.functions.sampling.device_sampling import DrawSettings, draw_rows, row_keys
 from tinkerless.functions.sampling.engine import Generation, row_seed
-from tinkerless.functions.vision.inputs import (encode_images, merged_embeddings, placeholder_ids, position_ids,
+from tinkerless.functions.vision.inputs import (DEEPSTACK, attention_inputs, deepstack, encode_images, merged_embeddings,
+                                               placeholder_ids, position_ids,
                                                without_placeholders)
 from tinkerless.wire.content import VisionInput
 from tinkerless.wire.messages import SamplingParams
@@ -96,13 +97,14 @@ class VisionSampler:
         # Only the images whose tokens are in the new part: earlier ones are in the kept cache already.
         new_images = _images_after(tokens, prompt.images, cached, self.image_token_id)
         features = encode_images(model, new_images)
-        self.images_encoded += len(features)
+        self.images_encoded += sum(not key.endswith(DEEPSTACK) for key in features)
         embeds = merged_embeddings(model, new_ids, [new_images], features, self.image_token_id)
         full_positions = position_ids(model, torch.tensor([tokens], device=device), [prompt.images])
         positions = full_positions[:, :, cached:] if full_positions is not None else \
             torch.arange(cached, len(tokens), device=device)[None]
-        out = model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+        with deepstack(model, new_ids, [new_images], features):
+            out = model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True,
+                        logits_to_keep=1, **attention_inputs(model, new_ids))
         banned = placeholder_ids(model)
         logits = without_placeholders(out.logits[:, -1].float(), banned)
         n = len(rows)

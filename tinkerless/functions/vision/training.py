@@ -19,7 +19,7 @@ import torch
 from tinkerless.functions.losses import LossConfig
 from tinkerless.functions.training import picked_logits
 from tinkerless.functions.training.micro_batches import plan_micro_batches
-from tinkerless.functions.vision.inputs import (encode_images, merged_embeddings, placeholder_ids, position_ids, unwrap,
+from tinkerless.functions.vision.inputs import (attention_inputs, deepstack, encode_images, merged_embeddings, placeholder_ids, position_ids, unwrap,
                                                without_placeholders)
 from tinkerless.wire.messages import Datum
 
@@ -49,7 +49,9 @@ def _logprobs(model, data: list[Datum], rows: list[int], pad_id: int, features: 
         targets = trained_positions(mask * ~torch.isin(batch.input_ids, torch.tensor(placeholder_ids(model),
                                                                                       device=device)))
     # No attention mask, as on the text path: rows are right-padded and attention is causal.
-    logits = model(inputs_embeds=embeds, position_ids=positions, logits_to_keep=targets - 1, use_cache=False).logits
+    with deepstack(model, batch.input_ids, images, features):
+        logits = model(inputs_embeds=embeds, position_ids=positions, logits_to_keep=targets - 1, use_cache=False,
+                       **attention_inputs(model, batch.input_ids)).logits
     # The sampler never draws an image placeholder: score under that same distribution. A placeholder itself is
     # never a sampled token, so its (impossible) log-prob is reported as 0 (and forward_backward never trains it).
     banned = placeholder_ids(model)
