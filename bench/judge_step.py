@@ -10,6 +10,12 @@ with its adapter off, every verdict of the step in one batch. Runs alternate (co
 see the same machine load; each run's first step is warm-up and left out. Reported: the median step time of
 each side and their ratio, the judge's share of the judged step, its cache hit rate, the tokens it read, and
 its cost line (compute_s/judge).
+
+A third side makes the comparison fair: `code+cont`, the code reward plus a code-computed term shaped like the
+judge's score (a number in [0, 1] that differs whenever two completions' texts differ, from a hash of the
+text). Its groups tie exactly when the judge's do (equal texts), so its update trains as many groups and tokens
+as the judged step's; the ratio judge / code+cont is the judge's own cost, the ratio code+cont / code is what
+a reward without ties costs the update. Reported per side: the median step, trained sequences and tokens.
 """
 
 from __future__ import annotations
@@ -28,10 +34,21 @@ import tinkerless  # noqa: E402
 from bench.opd_vs_rl import arithmetic_reward, config  # noqa: E402
 
 RUBRIC = "The reply states the correct sum of the two numbers, and nothing but that number."
+SIDES = ("code", "code+cont", "judge")
 
 
-def run(storage: str, steps: int, judged: bool, seed: int) -> list[dict]:
-    reward = [arithmetic_reward, tinkerless.judge(RUBRIC)] if judged else arithmetic_reward
+@tinkerless.reward
+def text_hash_score(completion: str, task: dict) -> float:
+    """A score in [0, 1) that is equal for equal texts and almost never for different ones: the judge's shape
+    (continuous, so a group ties only when its completions are the same text) at a code reward's cost."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(completion.encode()).digest()[:4], "big") / 2**32
+
+
+def run(storage: str, steps: int, side: str, seed: int) -> list[dict]:
+    reward = {"code": arithmetic_reward, "code+cont": [arithmetic_reward, text_hash_score],
+              "judge": [arithmetic_reward, tinkerless.judge(RUBRIC)]}[side]
     result = tinkerless.train(config(storage, steps=steps, reward=reward, seed=seed, checkpoint_every=steps,
                                      keep_checkpoints=1))
     return result.metrics
@@ -43,20 +60,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--storage", default="/tmp/judge_step")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--suffix", default="", help="appended to the result file's name (judge_step-DATE<suffix>.json)")
+    parser.add_argument("--sides", default=",".join(SIDES), help="which of code, code+cont, judge to run")
     args = parser.parse_args()
-    sides: dict[str, list[dict]] = {"code": [], "judge": []}
+    names = args.sides.split(",")
+    sides: dict[str, list[dict]] = {side: [] for side in names}
     for round_ in range(args.rounds):
-        for side in ("code", "judge"):
-            records = run(args.storage, args.steps, side == "judge", seed=round_)
+        for side in names:
+            records = run(args.storage, args.steps, side, seed=round_)
             sides[side].extend(records[1:])  # the first step is warm-up
-    code_s = statistics.median(r["step_s"] for r in sides["code"])
-    judge_s = statistics.median(r["step_s"] for r in sides["judge"])
+            print(side, [round(r["step_s"], 2) for r in records], flush=True)
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in sides[side])
+
+    code_s = median("code", "step_s")
+    judge_s = median("judge", "step_s")
     judged = sides["judge"]
     questions = sum(r["judge_cache_hit_rate"] is not None for r in judged)
     result = {
         "date": time.strftime("%Y-%m-%d"), "device": "2-core CPU, shared with other jobs",
         "steps_per_side": len(sides["code"]), "code_step_s_median": code_s, "judge_step_s_median": judge_s,
         "ratio_judge_to_code": judge_s / code_s,
+        **({"cont_step_s_median": median("code+cont", "step_s"),
+            "ratio_judge_to_code_cont": judge_s / median("code+cont", "step_s"),
+            "ratio_code_cont_to_code": median("code+cont", "step_s") / code_s} if "code+cont" in sides else {}),
+        "trained_sequences_per_step_median": {side: median(side, "trained_sequences") for side in sides},
+        "trained_tokens_per_step_median": {side: median(side, "trained_tokens") for side in sides},
+        "update_s_per_step_median": {side: median(side, "compute_s/update") for side in sides
+                                     if all("compute_s/update" in r for r in sides[side])},
         "judge_share_of_step": statistics.median(r["judge_s"] / r["step_s"] for r in judged),
         "judge_share_of_rollout": statistics.median(r["judge_share"] for r in judged),
         "judge_cache_hit_rate": statistics.mean(r["judge_cache_hit_rate"] for r in judged) if questions else None,
@@ -66,8 +98,9 @@ def main() -> None:
         "compute_s_rollout_per_step_code": statistics.median(r["compute_s/rollout"] for r in sides["code"]),
         "reward_mean_code": statistics.mean(r["reward_mean"] for r in sides["code"]),
         "reward_mean_judged": statistics.mean(r["reward_mean"] for r in judged),
+        "step_s": {side: [round(r["step_s"], 3) for r in sides[side]] for side in sides},
     }
-    path = Path(args.out) / f"judge_step-{result['date']}.json"
+    path = Path(args.out) / f"judge_step-{result['date']}{args.suffix}.json"
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     print(f"wrote {path}")

@@ -122,21 +122,31 @@ def main() -> None:
     parser.add_argument("--storage", default="/tmp/opd_vs_rl")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--skip-train", action="store_true", help="evaluate runs already in --storage")
+    parser.add_argument("--opd-group-size", type=int, default=4,
+                        help="OPD's samples per prompt (1: the cookbook's; OPD needs no group baseline)")
+    parser.add_argument("--opd-batch-size", type=int, default=8, help="OPD's prompts per step")
+    parser.add_argument("--opd-run", default="opd", help="the OPD run's id (a second OPD variant beside the first)")
+    parser.add_argument("--reuse-rl", action="store_true", help="the RL run (the teacher) is already in --storage")
+    parser.add_argument("--suffix", default="", help="appended to the result file's name")
+    parser.add_argument("--no-forward-costs", action="store_true", help="skip the teacher/student forward timing")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     teacher = f"rl@{args.rl_steps}"
     if not args.skip_train:
-        tinkerless.train(config(args.storage, run_id="rl", steps=args.rl_steps))
-        tinkerless.train(config(args.storage, run_id="opd", steps=args.opd_steps, reward=None, teacher=teacher))
+        if not args.reuse_rl:
+            tinkerless.train(config(args.storage, run_id="rl", steps=args.rl_steps))
+        tinkerless.train(config(args.storage, run_id=args.opd_run, steps=args.opd_steps, reward=None, teacher=teacher,
+                                group_size=args.opd_group_size, batch_size=args.opd_batch_size))
     records = {}
-    for run in ("rl", "opd"):
-        lines = [json.loads(l) for l in Path(args.storage, "runs", run, "metrics.jsonl").read_text().splitlines()]
+    for run, run_id in (("rl", "rl"), ("opd", args.opd_run)):
+        lines = [json.loads(l) for l in Path(args.storage, "runs", run_id, "metrics.jsonl").read_text().splitlines()]
         records[run] = [l for l in lines if "step" in l]
     eval_config = config(args.storage)
     rl_curve = curve(args.storage, "rl", args.rl_steps, eval_config)
-    opd_curve = curve(args.storage, "opd", args.opd_steps, eval_config)
+    opd_curve = curve(args.storage, args.opd_run, args.opd_steps, eval_config)
     target = 0.9 * rl_curve[-1]
     result = {"date": time.strftime("%Y-%m-%d"), "device": "2-core CPU, shared with other jobs",
+              "opd_run": args.opd_run, "opd_group_size": args.opd_group_size, "opd_batch_size": args.opd_batch_size,
               "teacher": teacher, "teacher_reward": rl_curve[-1], "target_90pct": target,
               "rl_heldout": rl_curve, "opd_heldout": opd_curve,
               "rl_train_reward": [r["reward_mean"] for r in records["rl"]],
@@ -149,10 +159,11 @@ def main() -> None:
         step = first_reaching(values, target)
         result[f"{run}_steps_to_90pct"] = step
         result[f"{run}_seconds_to_90pct"] = sum(result[f"{run}_step_s"][:step]) if step is not None else None
-    result["forward_costs"] = forward_costs(args.storage, teacher)
-    path = Path(args.out) / f"opd_vs_rl-{result['date']}.json"
+    if not args.no_forward_costs:
+        result["forward_costs"] = forward_costs(args.storage, teacher)
+    path = Path(args.out) / f"opd_vs_rl-{result['date']}{args.suffix}.json"
     path.write_text(json.dumps(result, indent=1))
-    _plot(result, Path(args.out) / "opd_vs_rl.png")
+    _plot(result, Path(args.out) / f"opd_vs_rl{args.suffix}.png")
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=1))
     print(f"wrote {path}")
 
@@ -165,7 +176,8 @@ def _plot(result: dict, png: Path) -> None:
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     ax.plot(range(len(result["rl_heldout"])), result["rl_heldout"], marker="o", label="RL (held-out reward)")
-    ax.plot(range(len(result["opd_heldout"])), result["opd_heldout"], marker="s", label="OPD from the RL teacher")
+    ax.plot(range(len(result["opd_heldout"])), result["opd_heldout"], marker="s",
+            label=f"OPD from the RL teacher ({result['opd_batch_size']} x {result['opd_group_size']} per step)")
     ax.axhline(result["target_90pct"], color="gray", linestyle="--", label="90% of the teacher")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out reward")

@@ -23,6 +23,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from tinkerless.errors import BudgetExceeded, StorageNotFound
 from tinkerless.server.keys import KeyStore
@@ -90,8 +91,9 @@ class KeyBudgets:
             self._running[key_id] = running + 1
             return Reservation(key_id, kind, expected)
 
-    def settle(self, reservation: Reservation | None, seconds: float) -> None:
-        """The call ran `seconds`: its reservation is replaced by what it cost."""
+    def settle(self, reservation: Reservation | None, seconds: float, judge: Any = None) -> None:
+        """The call ran `seconds`: its reservation is replaced by what it cost. `judge` (a `JudgeMeter`): what an
+        LLM judge inside the call read and took, counted apart (its seconds are part of the call's, and charged)."""
         if reservation is None or reservation.done:
             return
         seconds = float(seconds) if math.isfinite(seconds) and seconds > 0 else 0.0
@@ -101,6 +103,12 @@ class KeyBudgets:
             usage["spent_usd"] = float(usage.get("spent_usd", 0.0)) + self.usd(seconds)
             usage["compute_seconds"] = float(usage.get("compute_seconds", 0.0)) + seconds
             usage["calls"] = int(usage.get("calls", 0)) + 1
+            if judge is not None and judge.questions:
+                # never more than the call's own seconds (the judge's clock runs inside the call's)
+                usage["judge_seconds"] = float(usage.get("judge_seconds", 0.0)) + min(max(judge.seconds, 0.0), seconds)
+                usage["judge_tokens"] = int(usage.get("judge_tokens", 0)) + int(judge.prompt_tokens)
+                usage["judge_verdicts"] = int(usage.get("judge_verdicts", 0)) + int(judge.questions)
+                usage["judge_cache_hits"] = int(usage.get("judge_cache_hits", 0)) + int(judge.cache_hits)
             self._longest[reservation.kind] = max(self._longest.get(reservation.kind, 0.0), seconds)
             if self._flush_timer is None:  # written within PERSIST_SECONDS, not on every call (storage may be S3)
                 self._flush_timer = threading.Timer(PERSIST_SECONDS, self._flush_logged)
@@ -148,11 +156,17 @@ class KeyBudgets:
 
 def usage_row(key_id: str, tenant: str | None, budget: float | None, used: dict, reserved: float,
               price_per_hour: float | None) -> dict:
+    """A key's usage as GET /v1/usage shows it: `compute_seconds` is all its calls' (the judge's included),
+    `judge_*` the part an LLM judge inside its rollouts took (seconds, tokens read, verdicts, of them cached) and
+    `policy_seconds` the rest."""
     spent = float(used.get("spent_usd", 0.0))
+    compute, judge_s = float(used.get("compute_seconds", 0.0)), float(used.get("judge_seconds", 0.0))
     return {"key_id": key_id, "tenant": tenant, "budget_usd": budget, "spent_usd": spent, "reserved_usd": reserved,
             "remaining_usd": None if budget is None else max(budget - spent - reserved, 0.0),
-            "compute_seconds": float(used.get("compute_seconds", 0.0)), "calls": int(used.get("calls", 0)),
-            "price_per_hour": price_per_hour}
+            "compute_seconds": compute, "calls": int(used.get("calls", 0)),
+            "policy_seconds": max(compute - judge_s, 0.0), "judge_seconds": judge_s,
+            "judge_tokens": int(used.get("judge_tokens", 0)), "judge_verdicts": int(used.get("judge_verdicts", 0)),
+            "judge_cache_hits": int(used.get("judge_cache_hits", 0)), "price_per_hour": price_per_hour}
 
 
 def stored_usage(store: ObjectStore) -> dict[str, dict]:

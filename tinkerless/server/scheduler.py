@@ -173,12 +173,15 @@ class Scheduler:
         return future
 
     def _charged(self, fn: Callable[[], Any], reservation: Any) -> Callable[[], Any]:
+        from tinkerless.functions.companions.judge import JudgeMeter, metering
+
         def run() -> Any:
-            started = time.perf_counter()
+            started, judge = time.perf_counter(), JudgeMeter()  # the judge's part of the call, metered apart
             try:
-                return fn()
+                with metering(judge):
+                    return fn()
             finally:
-                self.budgets.settle(reservation, time.perf_counter() - started)
+                self.budgets.settle(reservation, time.perf_counter() - started, judge=judge)
 
         return run
 

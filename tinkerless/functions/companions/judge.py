@@ -28,6 +28,8 @@ their group, never scored 0.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import math
 import re
@@ -35,7 +37,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -240,6 +242,41 @@ class JudgeStats:
         return {"judge_questions": float(self.questions), "judge_cache_hits": float(self.cache_hits),
                 "judge_prompt_tokens": float(self.prompt_tokens), "judge_s": self.seconds,
                 "judge_failed": float(self.failed)}
+
+
+class JudgeMeter:
+    """What the judge read and took during one call (a server charges the call's key with it, apart from the
+    policy's own work: `server/budgets.py`). Set for a call with `metering(meter)`; a judged rollout adds to it."""
+
+    def __init__(self) -> None:
+        self.seconds, self.prompt_tokens, self.questions, self.cache_hits = 0.0, 0, 0, 0
+
+    def add(self, stats: dict[str, float]) -> None:
+        """`stats`: a judged rollout's (`JudgeStats.as_stats()`, its judge_s timed by the rollout)."""
+        self.seconds += float(stats.get("judge_s", 0.0))
+        self.prompt_tokens += int(stats.get("judge_prompt_tokens", 0))
+        self.questions += int(stats.get("judge_questions", 0))
+        self.cache_hits += int(stats.get("judge_cache_hits", 0))
+
+
+_meter: contextvars.ContextVar[JudgeMeter | None] = contextvars.ContextVar("tinkerless_judge_meter", default=None)
+
+
+@contextlib.contextmanager
+def metering(meter: JudgeMeter) -> Iterator[JudgeMeter]:
+    """The judge's work inside this block (this thread or context) is added to `meter`."""
+    token = _meter.set(meter)
+    try:
+        yield meter
+    finally:
+        _meter.reset(token)
+
+
+def meter_judge(stats: dict[str, float]) -> None:
+    """Add a judged rollout's figures to the call's meter, where one is set."""
+    meter = _meter.get()
+    if meter is not None:
+        meter.add(stats)
 
 
 def judge_episodes(

@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from tinkerless.errors import UserError
+from tinkerless.functions.companions.judge import meter_judge
 from tinkerless.functions.rollout.agent_loop import TokenCounts, run_episodes
 from tinkerless.functions.rollout.recording import stamp_versions
 from tinkerless.functions.rollout.chat import ChatFormat
@@ -84,6 +85,7 @@ def rollout(
                 raise UserError("this worker runs no judge", hint="drop judge= from the rollout")
             started_judge = time.perf_counter()
             judged = {**judge(episodes, request.judge), "judge_s": time.perf_counter() - started_judge}
+            meter_judge(judged)  # a server charges the judge's part of the call apart from the policy's
     stamp_versions(episodes, version)
     sampled = float(sum(e.sampled_tokens() for e in episodes))
     stats = {"sampled_tokens": sampled, "seconds": time.perf_counter() - started, **counts.as_stats(), **clock.as_stats(),

@@ -340,7 +340,9 @@ def _keys(args) -> int:
                 row = usage_row(record.key_id, record.tenant, record.budget_usd, spent.get(record.key_id, {}), 0.0, None)
                 limit = "no limit" if row["budget_usd"] is None else f"of ${row['budget_usd']:.2f}"
                 print(f"{record.key_id}  {record.tenant:<20} ${row['spent_usd']:.4f} {limit:<14} "
-                      f"{row['compute_seconds']:.1f} s in {row['calls']} calls")
+                      f"{row['compute_seconds']:.1f} s in {row['calls']} calls"
+                      + (f" (judge: {row['judge_seconds']:.1f} s, {row['judge_tokens']} tokens read, "
+                         f"{row['judge_verdicts']} verdicts)" if row["judge_verdicts"] else ""))
     elif args.action == "list":
         for record in store.list():
             state = "revoked" if record.revoked else "active"
