@@ -213,3 +213,26 @@ def test_tinkerless_sft_on_chat_jsonl_with_image_parts(llava, tmp_path):
     example = renderer.render(to_messages(records[0], "line 1"), "line 1", 1)
     at_images = example.tokens == renderer.vision.image_token_id
     assert at_images.sum() == 16 and (example.weights[at_images] == 0).all() and example.weights.sum() > 0
+
+
+def test_tinkerless_eval_of_a_vlm_checkpoint_plays_its_image_tasks_and_writes_images_by_hash(example, straight, tmp_path,
+                                                                                            capsys):
+    """`tinkerless eval` on a VLM run's checkpoint: the held-out tasks carry images, each episode is sampled with
+    them, and the transcripts name each image by its hash instead of inlining its bytes."""
+    import json
+
+    from tinkerless.sdk.cli.commands import main
+
+    out = tmp_path / "episodes.jsonl"
+    assert main(["eval", str(example), "--storage", str(straight), "--checkpoint", f"r@{STEPS}", "--tasks", "3",
+                 "--samples", "2", "--transcripts", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["step"] == STEPS and report["episodes"] == 6
+    lines = out.read_text().splitlines()
+    assert len(lines) == 6 and all(len(line) < 20_000 for line in lines)  # a 20 x 24 picture is never inlined
+    records = [json.loads(line) for line in lines]
+    assert all(r["status"] == "ok" and r["tokens"]["sampled"] > 0 for r in records)
+    for record in records:  # the prompt's picture, by its hash, in the user's turn
+        parts = record["messages"][0]["content"]
+        image = next(p for p in parts if p["type"] == "image")
+        assert len(image["sha256"]) == 64 and "data" not in image and "url" not in image
