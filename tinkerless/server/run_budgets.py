@@ -197,9 +197,10 @@ class Charges:
             raise
         return None if held is None and run is None else (held, run)
 
-    def settle(self, reservation, seconds: float) -> None:
+    def settle(self, reservation, seconds: float, judge: Any = None) -> None:
+        """`judge`: what an LLM judge inside the call took, metered apart in its key's usage (`KeyBudgets.settle`)."""
         if reservation is not None:
-            self.keys.settle(reservation[0], seconds) if reservation[0] is not None else None
+            self.keys.settle(reservation[0], seconds, judge=judge) if reservation[0] is not None else None
             self.runs.settle(reservation[1], seconds) if reservation[1] is not None else None
 
     def release(self, reservation) -> None:
