@@ -67,16 +67,23 @@ def weights(state) -> dict[str, torch.Tensor]:
     return load_safetensors(state.files["adapter/adapter_model.safetensors"])
 
 
-def assert_same_state(got, expected, atol: float = 1e-6) -> None:
+# After a second step, on ranks: they sum the gradients in another order (the all-reduce), and Adam's early steps
+# divide by sqrt(v), so a last-bit gradient difference reaches ~2e-6 (2.7e-5 relative) in a weight on some CPUs
+# (AMD EPYC here; 1e-6 held on others). One step stays within the tight default.
+AFTER_TWO_STEPS = dict(atol=1e-5, rtol=1e-4)
+
+
+def assert_same_state(got, expected, atol: float = 1e-6, rtol: float = 1e-5) -> None:
     a, b = weights(got), weights(expected)
     assert sorted(a) == sorted(b)
     for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=1e-5, msg=key)
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=rtol, msg=lambda m, key=key: f"{key}: {m}")
     ours, theirs = (torch.load(io.BytesIO(s.files["optimizer.pt"]), weights_only=True) for s in (got, expected))
     assert ours["param_groups"] == theirs["param_groups"] and sorted(ours["state"]) == sorted(theirs["state"])
     for i, entry in theirs["state"].items():
         for name, value in entry.items():
-            torch.testing.assert_close(ours["state"][i][name], value, atol=atol, rtol=1e-5, msg=f"{i}.{name}")
+            torch.testing.assert_close(ours["state"][i][name], value, atol=atol, rtol=rtol,
+                                       msg=lambda m, where=f"{i}.{name}": f"{where}: {m}")
     assert got.policy_version == expected.policy_version
 
 
@@ -136,13 +143,13 @@ def test_saved_on_two_ranks_loads_on_one_and_the_other_way_round(tiny_model, sha
     single = Worker(tiny_model, micro_batch_size=2)
     single.load_state(LoadStateRequest(state))
     single.update(UpdateRequest("p", batch(1), LossConfig(), ADAM))
-    assert_same_state(single.save_state(SaveStateRequest("p")), reference["two"])
+    assert_same_state(single.save_state(SaveStateRequest("p")), reference["two"], **AFTER_TWO_STEPS)
     # A single process's state loads on the two ranks (as a policy they do not hold yet) and trains on there.
     moved = ShardedWorker(tiny_model, world_size=2, device="cpu", micro_batch_size=2)
     try:
         assert moved.load_state(LoadStateRequest(reference["one"])) == {"policy": "p", "policy_version": 1}
         moved.update(UpdateRequest("p", batch(1), LossConfig(), ADAM))
-        assert_same_state(moved.save_state(SaveStateRequest("p")), reference["two"])
+        assert_same_state(moved.save_state(SaveStateRequest("p")), reference["two"], **AFTER_TWO_STEPS)
     finally:
         moved.close()
 
@@ -165,7 +172,7 @@ def test_three_ranks_with_an_empty_shard_train_as_one_process_and_hand_their_sta
     try:
         two.load_state(LoadStateRequest(state))
         two.update(UpdateRequest("p", batch(1), LossConfig(), ADAM))
-        assert_same_state(two.save_state(SaveStateRequest("p")), reference["two"])
+        assert_same_state(two.save_state(SaveStateRequest("p")), reference["two"], **AFTER_TWO_STEPS)
     finally:
         two.close()
 
@@ -192,7 +199,7 @@ def test_one_rank_keeps_the_plain_model_and_trains_as_one_process(tiny_model, sm
     try:
         assert one.load_state(LoadStateRequest(reference["one"])) == {"policy": "p", "policy_version": 1}
         one.update(UpdateRequest("p", batch(1), LossConfig(), ADAM))
-        assert_same_state(one.save_state(SaveStateRequest("p")), reference["two"])
+        assert_same_state(one.save_state(SaveStateRequest("p")), reference["two"], **AFTER_TWO_STEPS)
         assert one.create_policy(CreatePolicyRequest("q", LORA)) == {"policy": "q", "created": True}
         first = one.update(UpdateRequest("q", batch(0), LossConfig(), ADAM))
         for key, value in reference["first"].metrics.items():
@@ -235,7 +242,7 @@ def test_a_rank_killed_mid_step_fails_the_call_naming_it_and_the_policy_stays_co
         marker.unlink()
         # The next call starts the ranks again from the saved state and trains on from version 1.
         assert group.update(UpdateRequest("p", batch(1), LossConfig(), ADAM)).policy_version == 2
-        assert_same_state(group.save_state(SaveStateRequest("p")), reference["two"])
+        assert_same_state(group.save_state(SaveStateRequest("p")), reference["two"], **AFTER_TWO_STEPS)
     finally:
         group.close()
 
@@ -290,10 +297,10 @@ def test_a_second_policy_rebuilds_the_ranks_and_every_policy_keeps_its_state(tin
 
 def assert_within_float_noise_of_adam(ours: torch.Tensor, theirs: torch.Tensor, lr: float, key: str) -> None:
     """Adam's first step moves a weight by lr * g / (|g| + eps): for the few gradients near eps (1e-8) a rounding
-    difference of the ranks' other summation order is multiplied by ~lr / eps (measured: at most 0.6% of a step on
-    single elements, ~1e-7 of a step on the rest). A real fault (a micro-batch lost or counted twice) moves every
+    difference of the ranks' other summation order is multiplied by ~lr / eps (measured: up to 2.5% of a step on
+    single elements on an AMD EPYC, 0.6% elsewhere; ~1e-7 of a step on the rest). A real fault (a micro-batch lost or counted twice) moves every
     element by a sizeable share of a step."""
-    assert float((ours - theirs).abs().max()) <= 0.02 * lr, key
+    assert float((ours - theirs).abs().max()) <= 0.05 * lr, key
     assert float((ours - theirs).norm() / theirs.norm()) < 1e-3, key
 
 
