@@ -140,6 +140,20 @@ def _tiny_vision_tokenizer(specials: list[str], image_placeholder: str):
     return tokenizer
 
 
+
+def _seeded_model(model_class: Any, config: Any, tokenizer: Any, seed: int) -> Any:
+    """A random `model_class(config)` drawn from `seed` alone (the caller's RNG untouched), generating to the tiny
+    tokenizer's end of sequence."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
 def _save(path: Path, model, tokenizer, processor) -> str:
     from tinkerless.functions.models import _atomic_dir
 
@@ -185,7 +199,6 @@ def build_tiny_llava(path: str | Path, *, seed: int = 0, hidden_size: int = 64, 
 def build_tiny_qwen25_vl(path: str | Path, *, seed: int = 0, hidden_size: int = 64,
                          initializer_range: float = 0.02) -> str:
     """A tiny random Qwen2.5-VL: multimodal rotary positions, a 2-block windowed tower, patch 14 merged 2 x 2."""
-    import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     path = Path(path)
@@ -208,12 +221,7 @@ def build_tiny_qwen25_vl(path: str | Path, *, seed: int = 0, hidden_size: int = 
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
         tie_word_embeddings=True,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
+    model = _seeded_model(Qwen2_5_VLForConditionalGeneration, config, tokenizer, seed)
     processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
                                          temporal_patch_size=2)
     return _save(path, model, tokenizer, processor)
@@ -223,7 +231,6 @@ def build_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, hidden_size: int = 6
                         initializer_range: float = 0.02) -> str:
     """A tiny random Qwen3-VL: interleaved multimodal rotary positions, a 2-block tower (patch 16 merged 2 x 2) whose
     first block's features are also added to the first LM layer's image positions (DeepStack)."""
-    import torch
     from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     path = Path(path)
@@ -246,12 +253,7 @@ def build_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, hidden_size: int = 6
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
+    model = _seeded_model(Qwen3VLForConditionalGeneration, config, tokenizer, seed)
     processor = Qwen2VLImageProcessorPil(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16, merge_size=2,
                                          temporal_patch_size=2)
     return _save(path, model, tokenizer, processor)
@@ -261,7 +263,6 @@ def build_tiny_gemma3(path: str | Path, *, seed: int = 0, hidden_size: int = 64,
                       initializer_range: float = 0.02) -> str:
     """A tiny random Gemma 3: a SigLIP tower (patch 8: 16 patches) whose projector pools to 4 image tokens, a
     Gemma 3 LM (scaled embeddings, sliding and global layers), bidirectional attention within an image."""
-    import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil
 
     path = Path(path)
@@ -281,12 +282,7 @@ def build_tiny_gemma3(path: str | Path, *, seed: int = 0, hidden_size: int = 64,
         mm_tokens_per_image=4, image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
         eoi_token_index=ids["<end_of_image>"], initializer_range=initializer_range, tie_word_embeddings=True,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Gemma3ForConditionalGeneration(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
+    model = _seeded_model(Gemma3ForConditionalGeneration, config, tokenizer, seed)
     processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
     return _save(path, model, tokenizer, processor)
 
