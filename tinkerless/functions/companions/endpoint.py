@@ -14,7 +14,7 @@ the step stops, resumable, instead of training on a guess.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -72,6 +72,27 @@ def align_offsets(text: str, mask: np.ndarray, spans: list[tuple[int, int | None
     return rendering
 
 
+def post_to_companion(post: Callable[..., Any], url: str, body: dict, timeout: float, *, who: str, role: str,
+                      unreachable_hint: str, status_hint: str, timeout_hint: str | None = None) -> Any:
+    """POST `body` to another model's endpoint (a teacher's or a judge's) and return its HTTP 200 response. A timeout,
+    a transport error or another status is an `InfrastructureFailure` (`<role>_timeout` / `<role>_failed`): such an
+    episode is retried, then dropped from its group, never scored."""
+    import httpx
+
+    try:
+        response = post(url, json=body, timeout=timeout)
+    except httpx.TimeoutException as exc:
+        raise InfrastructureFailure(f"{who} did not answer within {timeout:g} s ({exc})", cause=f"{role}_timeout",
+                                    hint=timeout_hint or unreachable_hint) from None
+    except httpx.HTTPError as exc:
+        raise InfrastructureFailure(f"{who} failed: {type(exc).__name__}: {exc}", cause=f"{role}_failed",
+                                    hint=unreachable_hint) from None
+    if response.status_code != 200:
+        raise InfrastructureFailure(f"{who} answered HTTP {response.status_code}: {response.text[:300]}",
+                                    cause=f"{role}_failed", hint=status_hint)
+    return response
+
+
 class EndpointScorer:
     """A teacher's prompt log-probs from an OpenAI-compatible endpoint (`sdk/run/distillation.py` scores with it)."""
 
@@ -87,18 +108,10 @@ class EndpointScorer:
         import httpx
 
         body = {"model": self.model, "prompt": text, "echo": True, "logprobs": 0, "max_tokens": 0, "temperature": 1.0}
-        try:
-            response = (self._post or httpx.post)(self.url + "/completions", json=body, timeout=self.timeout)
-        except httpx.TimeoutException:
-            raise InfrastructureFailure(f"the teacher at {self.url} did not answer within {self.timeout:g} s",
-                                        cause="teacher_timeout", hint="check the teacher's server, then resume") from None
-        except httpx.HTTPError as exc:
-            raise InfrastructureFailure(f"the teacher at {self.url} failed: {type(exc).__name__}: {exc}",
-                                        cause="teacher_failed", hint="check the teacher's server, then resume") from None
-        if response.status_code != 200:
-            raise InfrastructureFailure(f"the teacher at {self.url} answered HTTP {response.status_code}: "
-                                        f"{response.text[:300]}", cause="teacher_failed",
-                                        hint="the endpoint must score prompts: /v1/completions with echo and logprobs")
+        response = post_to_companion(
+            self._post or httpx.post, self.url + "/completions", body, self.timeout, who=f"the teacher at {self.url}",
+            role="teacher", unreachable_hint="check the teacher's server, then resume",
+            status_hint="the endpoint must score prompts: /v1/completions with echo and logprobs")
         try:
             scored = response.json()["choices"][0]["logprobs"]
             offsets, logprobs = list(scored["text_offset"]), list(scored["token_logprobs"])

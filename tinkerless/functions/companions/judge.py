@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from tinkerless.errors import InfrastructureFailure
+from tinkerless.functions.companions.endpoint import post_to_companion
 from tinkerless.wire.messages import JudgeSpec
 
 PREFILL = "Score: "
@@ -200,19 +201,10 @@ def endpoint_verdict(spec: JudgeSpec, prompt: JudgePrompt, *, post: Callable[...
     for attempt in range(spec.retries + 1):
         body = {"model": spec.model or "default", "messages": messages, "max_tokens": spec.max_tokens,
                 "temperature": 0.0 if attempt == 0 else 0.7, "seed": attempt}
-        try:
-            response = (post or httpx.post)(url, json=body, timeout=spec.timeout)
-        except httpx.TimeoutException as exc:
-            raise InfrastructureFailure(f"the judge at {spec.endpoint} did not answer within {spec.timeout:g} s ({exc})",
-                                        cause="judge_timeout", hint="raise tinkerless.judge(..., timeout=...) or "
-                                        "check the judge's server") from None
-        except httpx.HTTPError as exc:
-            raise InfrastructureFailure(f"the judge at {spec.endpoint} failed: {type(exc).__name__}: {exc}",
-                                        cause="judge_failed", hint="check that the judge's server is up") from None
-        if response.status_code != 200:
-            raise InfrastructureFailure(f"the judge at {spec.endpoint} answered HTTP {response.status_code}: "
-                                        f"{response.text[:300]}", cause="judge_failed",
-                                        hint="check the judge's model name and server")
+        response = post_to_companion(
+            post or httpx.post, url, body, spec.timeout, who=f"the judge at {spec.endpoint}", role="judge",
+            unreachable_hint="check that the judge's server is up", status_hint="check the judge's model name and server",
+            timeout_hint="raise tinkerless.judge(..., timeout=...) or check the judge's server")
         try:
             reply = response.json()["choices"][0]["message"]["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError):
