@@ -141,6 +141,14 @@ def _tiny_vision_tokenizer(specials: list[str], image_placeholder: str):
 
 
 
+
+def _qwen_vision_tokenizer() -> tuple[Any, dict[str, int]]:
+    """The tiny tokenizer with Qwen-VL's vision tokens (an image is <|vision_start|><|image_pad|><|vision_end|>), and
+    their ids."""
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer = _tiny_vision_tokenizer(specials, "<|vision_start|><|image_pad|><|vision_end|>")
+    return tokenizer, {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
+
 def _seeded_model(model_class: Any, config: Any, tokenizer: Any, seed: int) -> Any:
     """A random `model_class(config)` drawn from `seed` alone (the caller's RNG untouched), generating to the tiny
     tokenizer's end of sequence."""
@@ -204,9 +212,7 @@ def build_tiny_qwen25_vl(path: str | Path, *, seed: int = 0, hidden_size: int = 
     path = Path(path)
     if (path / "config.json").is_file():
         return str(path)
-    tokenizer = _tiny_vision_tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
-                                       "<|vision_start|><|image_pad|><|vision_end|>")
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+    tokenizer, ids = _qwen_vision_tokenizer()
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -236,9 +242,7 @@ def build_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, hidden_size: int = 6
     path = Path(path)
     if (path / "config.json").is_file():
         return str(path)
-    tokenizer = _tiny_vision_tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
-                                       "<|vision_start|><|image_pad|><|vision_end|>")
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+    tokenizer, ids = _qwen_vision_tokenizer()
     config = Qwen3VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
