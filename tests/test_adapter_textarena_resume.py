@@ -24,6 +24,7 @@ def example(tmp_path, tiny_model) -> Path:
     path.write_text(textwrap.dedent(f"""
         import time
         import tinkerless
+        from tinkerless.envs.adapters.textarena import random_opponent
 
         TicTacToe = tinkerless.envs.textarena("TicTacToe-v0", response_prefix="[")
 
@@ -37,6 +38,8 @@ def example(tmp_path, tiny_model) -> Path:
             agents=tinkerless.self_play(TicTacToe.agents, policy="player"),
             steps={STEPS}, batch_size=2, group_size=2, max_turns=10, max_tokens=3, max_episode_tokens=2048,
             temperature=1.0, learning_rate=1e-2, checkpoint_every=1, keep_checkpoints=None, seed=3,
+            eval_every=2, eval_tasks=[{{"seed": 5}}],  # held-out games against the random player, kept apart from training
+            eval_agents=tinkerless.versus("player_1", random_opponent, roles=TicTacToe.agents, policy="player"),
         )
     """))
     return path
@@ -72,6 +75,7 @@ def test_sigkill_and_resume_of_self_play_equals_uninterrupted(tmp_path, example)
     for name in expected:
         for tensor in expected[name]:
             assert (expected[name][tensor] == actual[name][tensor]).all(), f"{name}:{tensor} differs after resume"
-    columns = ("step", "reward_mean", "sampled_tokens", "episodes_error")
-    assert [[line[c] for c in columns] for line in _lines(killed)] == [[line[c] for c in columns] for line in _lines(straight)]
+    columns = ("step", "reward_mean", "sampled_tokens", "episodes_error", "eval_reward_mean/player", "eval_episodes")
+    assert [[line.get(c) for c in columns] for line in _lines(killed)] == [[line.get(c) for c in columns] for line in _lines(straight)]
+    assert [line["eval_episodes"] for line in _lines(straight) if "eval_episodes" in line] == [2, 2, 2]  # steps 0, 2, 4
     assert [line["step"] for line in _lines(killed)] == list(range(STEPS))

@@ -132,6 +132,7 @@ class TrainConfig:
     # held-out evaluation while training (docs/eval.md)
     eval_every: int | None = None  # every N steps, from step 0: play eval_tasks with the current policy (no training); None: never
     eval_tasks: Any = None  # held-out tasks for eval_every and `tinkerless eval` (the forms of tasks); episodes per task: group_size
+    eval_agents: Any = None  # multi-agent runs: the seating(s) eval_every plays, e.g. each seat against an opponent; None: agents
     # experiment trackers
     report_to: list[str] = dataclasses.field(default_factory=list)  # wandb | tensorboard | mlflow, logged from the client (docs/tracking.md)
 
@@ -222,6 +223,15 @@ class TrainConfig:
         check_limit("max_compute_seconds", self.max_compute_seconds)
 
     def _validate_eval(self) -> None:
+        if self.eval_agents is not None:
+            if self.env is None or not is_multi_agent(self.env):
+                raise ConfigError("eval_agents is for multi-agent envs", hint="a single-agent run evaluates its one policy")
+            for seating in seatings(self.eval_agents):
+                check_roles(self.env, seating)
+            unknown = sorted(set(trainable_policies(self.eval_agents)) - set(trainable_policies(self.agents)))
+            if unknown or not trainable_policies(self.eval_agents):
+                raise ConfigError(f"eval_agents must seat the run's own policies, and only those: it seats {trainable_policies(self.eval_agents)}",
+                                  hint=f"seat the run's policies {trainable_policies(self.agents)}, tinkerless.Frozen(...) or opponent functions")
         if self.eval_every is None:
             return
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, numbers.Integral) or self.eval_every < 1:
@@ -229,8 +239,6 @@ class TrainConfig:
         if self.eval_tasks is None:
             raise ConfigError("eval_every needs held-out tasks to evaluate on",
                               hint="give eval_tasks=[{...}] (or a JSONL path or task function), tasks the run does not train on")
-        if self.env is not None and is_multi_agent(self.env):
-            raise ConfigError("eval_every is for single-agent runs", hint="a multi-agent run's metrics have win rates per policy")
 
     def _validate_agent(self) -> None:
         if self.env is not None or self.reward is not None:
@@ -291,7 +299,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.name in ("env", "reward", "agent", "tasks", "eval_tasks") and value is not None and not isinstance(value, (str, int, float)):
                 value = getattr(value, "__qualname__", type(value).__name__)
-            if f.name == "agents" and value is not None:
+            if f.name in ("agents", "eval_agents") and value is not None:
                 value = repr(value)
             if f.name == "storage_options":
                 continue

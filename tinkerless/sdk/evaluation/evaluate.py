@@ -245,7 +245,8 @@ def evaluate(
     if config.env is not None and is_multi_agent(config.env):
         raise ConfigError(
             f"`tinkerless eval` runs single-agent envs; {config.env.__qualname__} is multi-agent",
-            hint="train with the opponent you want to measure against (e.g. tinkerless.Frozen(...)) and read its win rates",
+            hint="a run measures its win rates against the seats you choose while it trains: eval_every=N with "
+            "eval_agents=tinkerless.versus(role, opponent, ...) (docs/multi-agent.md)",
         )
     ref = _which_checkpoint(checkpoint, run_id, step, adapter)
     check_report_to(config.report_to)  # a tracker that is not installed fails before any model loads

@@ -86,4 +86,9 @@ def frozen_adapters(agents: Any) -> dict[str, str]:
     return {path: f"frozen-{i}" for i, path in enumerate(paths)}
 
 
+def every_frozen_adapter(agents: Any, eval_agents: Any = None) -> dict[str, str]:
+    """`frozen_adapters` over the training seatings and the held-out eval's: one worker policy per path."""
+    return frozen_adapters(seatings(agents) + (seatings(eval_agents) if eval_agents is not None else []))
+
+
 OpponentFn = Callable[[Any, str, Any], str]

@@ -100,7 +100,8 @@ def _is_number(value: Any) -> bool:
 
 
 def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str | None = None) -> str:
-    """Plot reward (mean ± std band) and loss against step; extra panels for win_rate/kl/entropy if logged."""
+    """Plot reward (mean ± std band) and loss against step; extra panels for win_rate/kl/entropy and held-out
+    win rates if logged."""
     # Figure + Agg canvas directly: no pyplot global state, works headless.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -116,6 +117,8 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str |
     optional = ("win_rate", "kl", "entropy", "kl_sample_train", "teacher_logprob_gap", "teacher_aligned_share",
                 "judge_share", "eval_pass@1")
     panels = ["reward_mean", "loss"] + [k for k in optional if any(math.isfinite(v) for v in series(k))]
+    # A multi-agent run's held-out games (evaluation/games.py): one panel per policy's win rate.
+    panels += sorted({k for r in records for k in r if k.startswith("eval_win_rate/") and _is_number(r[k])})
     fig = Figure(figsize=(7, 2.4 * len(panels)), constrained_layout=True)
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]

@@ -17,9 +17,10 @@ from tinkerless.wire import pack_code
 from tinkerless.wire.messages import BASE_POLICY, Episode, MultiAgentRolloutRequest, Seat
 
 
-def build_seats(agents: Any) -> list[dict[str, Seat]]:
-    """Turn the user's seatings into wire `Seat`s (opponent functions packed by value)."""
-    frozen = frozen_adapters(agents)
+def build_seats(agents: Any, frozen: dict[str, str] | None = None) -> list[dict[str, Seat]]:
+    """Turn the user's seatings into wire `Seat`s (opponent functions packed by value); `frozen` names the worker
+    policy each frozen adapter path is loaded as (default: `frozen_adapters(agents)`)."""
+    frozen = frozen_adapters(agents) if frozen is None else frozen
     out = []
     for seating in seatings(agents):
         seats = {}

@@ -27,10 +27,11 @@ from tinkerless.sdk.backends.base import Backend, device_of, make_backend, with_
 from tinkerless.sdk.backends.client import TrainingClient, free_policies
 from tinkerless.sdk.run.pipeline import Readers, RolloutPipeline, VersionView, version_for
 from tinkerless.sdk.evaluation.evaluate import eval_columns, held_out_tasks, play as play_eval
+from tinkerless.sdk.evaluation.games import play_games
 from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.run.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
 from tinkerless.envs.base import is_multi_agent
-from tinkerless.sdk.run.agents import frozen_adapters, trainable_policies
+from tinkerless.sdk.run.agents import every_frozen_adapter, trainable_policies
 from tinkerless.sdk.run.checkpointing import CLIENT_STATE_FILE, Checkpoints, _policy_prefix
 from tinkerless.sdk.run.metrics import (MetricsWriter, plot_metrics, plot_outcomes, read_metrics, reward_summary)
 from tinkerless.sdk.run.multi_agent import build_seats, play_step
@@ -91,7 +92,8 @@ class _Run:
         self.multi_agent = config.env is not None and is_multi_agent(config.env)
         self.eval_tasks = held_out_tasks(config) if config.eval_every else None  # a bad set fails before the model loads
         self.policies = trainable_policies(config.agents) if self.multi_agent else ["default"]
-        self.seats = build_seats(config.agents) if self.multi_agent else []
+        self.frozen = every_frozen_adapter(config.agents, config.eval_agents) if self.multi_agent else {}  # path -> policy
+        self.seats = build_seats(config.agents, self.frozen) if self.multi_agent else []
         self.events: list[tuple[int, str, str]] = []  # (step, event, policy): the barrier's observable order
         self.backend = with_usage(
             backend
@@ -308,6 +310,9 @@ class _Run:
     def _held_out_eval(self) -> dict:
         """eval_every: the policy this step samples from plays eval_tasks (same seed every time), never trained on."""
         with self.usage.phase("rollout"):
+            if self.multi_agent:  # the eval seatings' games, win rates per policy (evaluation/games.py)
+                return play_games(next(iter(self.clients.values())).rollout_multi, self.config, self.eval_tasks,
+                                  policies=self.policies, frozen=self.frozen)
             report = play_eval(self.clients["default"], self.config, self.eval_tasks,
                                   samples=self.config.group_size, seed=self.config.seed)
         return eval_columns(report)
@@ -424,13 +429,12 @@ class _Run:
         self.events.append((self.step, event, policy))
 
     def _frozen_clients(self) -> list[TrainingClient]:
-        names = frozen_adapters(self.config.agents).values() if self.multi_agent else []
-        return [TrainingClient(self.backend, name, create=False, namespace=self.namespace) for name in names]
+        return [TrainingClient(self.backend, name, create=False, namespace=self.namespace) for name in self.frozen.values()]
 
     def _load_frozen_adapters(self) -> None:
         from tinkerless.sdk.evaluation.evaluate import adapter_files
 
-        for path, name in (frozen_adapters(self.config.agents).items() if self.multi_agent else []):
+        for path, name in self.frozen.items():
             frozen = TrainingClient(self.backend, name, create=False, namespace=self.namespace)
             frozen.load_state(PolicyState(name, adapter_files(path)), include_optimizer=False)
 
