@@ -8,7 +8,8 @@ on the main model does (the key, validation, the serving limits, the one schedul
 time, tenants taking turns, and the key's and the run's budgets), and its seconds are also counted under the
 model's id in the key's usage (`budgets.served_model`, set by the app for the call).
 
-    GET /v1/served-models                       {"main": ID, "models": [{"id", "main", "vocab_size", "methods"}]}
+    GET /v1/served-models[?model=NAME]          {"main": ID, "models": [{"id", "main", "vocab_size", "methods"}]}
+                                                (with NAME: also "model", the id it names; 404 if none)
     GET /v1/served-models/tokenizer?model=ID    msgpack {"model": ID, "files": {name: bytes}}
 
 The tokenizer route sends the tokenizer files the server loaded for that model, so a client aligns a teacher of
@@ -136,10 +137,14 @@ def served_models_router(served: ServedModels, tenant_of: Callable[[Request], st
     router = APIRouter()
 
     @router.get("/v1/served-models")
-    async def listing(request: Request) -> Response:
+    async def listing(request: Request, model: str | None = None) -> Response:
         if tenant_of(request) is None:
             return unauthorized()
-        return JSONResponse(served.listing())
+        try:
+            named = {} if model is None else {"model": served.find(model).id}
+        except UnknownModel as exc:
+            return error_response(404, exc)
+        return JSONResponse({**served.listing(), **named})
 
     @router.get("/v1/served-models/tokenizer")
     async def tokenizer(request: Request, model: str = "") -> Response:
