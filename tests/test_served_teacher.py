@@ -12,11 +12,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from conftest import build_other_vocabulary_model
 from safetensors.torch import load as load_safetensors
 
 import tinkerless
 from tinkerless.errors import TinkerlessError
-from tinkerless.functions.models import build_tiny_model, resolve_model
+from tinkerless.functions.models import build_tiny_model
 from tinkerless.functions.worker import Worker
 from tinkerless.sdk.backends.base import LocalBackend
 from tinkerless.sdk.backends.http import HTTPBackend
@@ -60,28 +61,12 @@ class RecordingWorker(Worker):
         return super().handle(method, payload)
 
 
-def _other_vocabulary_model(path: Path) -> str:
-    """A tiny random model with SmolLM2's tokenizer: another vocabulary than the byte-level student's."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("served-teacher")
     student = build_tiny_model(root / "student", hidden_size=64, num_layers=2, seed=0, initializer_range=0.2)
     same = build_tiny_model(root / "same-vocab", hidden_size=64, num_layers=2, seed=1, initializer_range=0.2)
-    other = _other_vocabulary_model(root / "other-vocab")
+    other = build_other_vocabulary_model(root / "other-vocab")
     storage = root / "server"
     keys = KeyStore(ObjectStore(str(storage)))
     key = keys.create("lab")

@@ -19,16 +19,15 @@ no hub access, or a path that exists only on the server), and no version skew be
 
 from __future__ import annotations
 
-import tempfile
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinkerless.errors import UserError
+from tinkerless.functions.companions.tokenizer_files import tokenizer_files
 from tinkerless.functions.models import model_aliases, public_model_id
 from tinkerless.server.replies import error_response, unauthorized
 from tinkerless.wire import encode_message
@@ -119,9 +118,7 @@ class ServedModels:
         model = self.find(name)
         with self._lock:
             if model._tokenizer_files is None:
-                with tempfile.TemporaryDirectory(prefix="tinkerless-tokenizer-") as tmp:
-                    model.worker.tokenizer.save_pretrained(tmp)
-                    model._tokenizer_files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+                model._tokenizer_files = tokenizer_files(model.worker.tokenizer)
         return {"model": model.id, "files": dict(model._tokenizer_files)}
 
 

@@ -13,8 +13,6 @@ exists only there) and no version skew between two copies.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from tinkerless.errors import RemoteError
@@ -58,18 +56,14 @@ def served_models(http: Any, model: str | None = None) -> dict:
 
 def fetch_tokenizer(http: Any, model: str) -> Any:
     """The tokenizer the server loaded for `model`, rebuilt here from its files."""
-    from transformers import AutoTokenizer
+    from tinkerless.functions.companions.tokenizer_files import tokenizer_from_files
 
     response = http.get("/v1/served-models/tokenizer", params={"model": model})
+    what = f"the tokenizer of {model[:200]!r} from {http.base_url}"
     if response.status_code != 200:
-        _raise(response, f"the tokenizer of {model[:200]!r} from {http.base_url}")
-    files = decode_message(response.content)["files"]
-    with tempfile.TemporaryDirectory(prefix="tinkerless-tokenizer-") as tmp:
-        for name, content in files.items():
-            if Path(name).name != name or name in ("", ".", ".."):  # a file name, never a path out of the directory
-                raise RemoteError(f"the server sent a tokenizer file named {name[:80]!r}", hint="check the server's version")
-            (Path(tmp) / name).write_bytes(content)
-        return AutoTokenizer.from_pretrained(tmp)
+        _raise(response, what)
+    reply = decode_message(response.content)
+    return tokenizer_from_files(reply.get("files") if isinstance(reply, dict) else None, source=what)
 
 
 def _raise(response: Any, what: str) -> None:

@@ -13,9 +13,9 @@ next to the policy:
 * `RUN@STEP` / `RUN@latest`, a checkpoint of a run on the same base (the student's own earlier one included):
   loaded once as a second adapter on the policy's worker, so the forward runs wherever the policy does (in
   process, on `tinkerless serve`, in Modal's `Forward` class, on a SkyPilot cluster's server);
-* another model id or directory: a second model on this machine (the local backend), or one of the extra models
-  `tinkerless serve --also-model` holds (a server, a SkyPilot cluster's server), with its own tokenizer when it
-  has one (then `functions.companions.alignment` re-renders and aligns the student's text);
+* another model id or directory: a second model on this machine (the local backend), one of the extra models
+  `tinkerless serve --also-model` holds (a server, a SkyPilot cluster's server), or Modal's `Forward` class
+  holding it, with its own tokenizer when it has one (then `functions.companions.alignment` re-renders and aligns the student's text);
 * `http(s)://...`: an OpenAI-compatible endpoint that returns prompt log-probs (`functions.companions.endpoint`).
 
 Its compute is the run's `teacher` phase (`accounting.PHASES`), apart from the policy's own forward.
@@ -276,6 +276,10 @@ def _second_model(spec: str, model: str, backend: Any, usage: Any) -> Teacher:
         student_tokenizer = fetch_tokenizer(http, served_models(http)["main"])
         teacher_tokenizer = teacher_backend.teacher_tokenizer
         description = f"model {spec} (served beside the policy by {http.base_url})"
+    elif callable(getattr(backend, "served_model", None)):  # Modal: a Forward class holding the teacher's model
+        teacher_backend = backend.served_model(spec)
+        student_tokenizer, teacher_tokenizer = backend.tokenizer(), teacher_backend.tokenizer()
+        description = f"model {spec} (in a Forward class of its own on {backend.name})"
     elif getattr(backend, "name", None) == "local":
         # The same CPU threads as the policy's worker: the two take turns, they never run at once.
         teacher_backend = LocalBackend(spec, threads=backend.worker.threads.threads)
@@ -284,8 +288,8 @@ def _second_model(spec: str, model: str, backend: Any, usage: Any) -> Teacher:
         description = f"model {spec} (a second model on this machine)"
     else:
         raise ConfigError(
-            f"teacher={spec!r} is another base model, which runs beside the policy on the local backend or on a "
-            f"`tinkerless serve` server that holds it (--also-model), not on {getattr(backend, 'name', backend)!r}",
+            f"teacher={spec!r} is another base model, which runs beside the policy on the local backend, on a "
+            f"`tinkerless serve` server that holds it (--also-model) or on Modal, not on {getattr(backend, 'name', backend)!r}",
             hint="use a checkpoint of the same base (RUN@STEP), the base itself, or an OpenAI-compatible endpoint "
             "serving the teacher (teacher='http://host:port/v1')",
         )
