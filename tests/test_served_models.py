@@ -45,7 +45,7 @@ def server(models, worker, tmp_path_factory):
 
 
 def _call(url: str, key: str, method: str, request, model: str | bytes | None = None) -> tuple[int, object]:
-    headers = {"Authorization": f"Bearer {key}", "Content-Type": MSGPACK}
+    headers = {"Content-Type": MSGPACK, **({"Authorization": f"Bearer {key}"} if key else {})}
     if model is not None:
         headers[MODEL_HEADER] = model
     response = httpx.post(f"{url}/v1/call/{method}", content=encode_message(request), headers=headers, timeout=60)
@@ -121,9 +121,7 @@ def test_each_keys_usage_counts_its_calls_on_each_extra_model(models, server):
         assert _call(url, alice, "forward", ForwardRequest(BASE_POLICY, _data(seed)), model=teacher)[0] == 200
     assert _call(url, alice, "forward", ForwardRequest(BASE_POLICY, _data(9)))[0] == 200  # the main model
     assert _call(url, bob, "forward", ForwardRequest(BASE_POLICY, _data(9)))[0] == 200
-    import time
-
-    time.sleep(0.05)
+    # (A call's seconds are settled before its reply leaves: the usage read next already holds them.)
     after_alice, after_bob = usage(alice), usage(bob)
     line = after_alice["models"][teacher]
     before = before_alice["models"].get(teacher, {"calls": 0, "compute_seconds": 0.0})
@@ -178,3 +176,34 @@ def test_serve_refuses_a_model_named_twice_before_loading_any(tiny_model, tmp_pa
         with pytest.raises(ConfigError):
             serve(model=tiny_model if extra == [tiny_model] else "tiny", storage=str(tmp_path), also_models=extra,
                   single_user=True)
+
+
+def test_extra_model_calls_pass_the_same_queue_and_budget_checks(models, worker, tmp_path):
+    """An extra model's call is a job on the one scheduler, charged to its key: a full tenant queue answers 429
+    and a key past its budget 402, before any work, as on the main model."""
+    _, teacher, teacher_worker = models
+    forward = ForwardRequest(BASE_POLICY, _data(2, 1))
+    with serve_in_thread(create_app(worker, storage=str(tmp_path / "a"), models={teacher: teacher_worker},
+                                    max_pending_per_tenant=0)) as url:
+        for name in (teacher, None):
+            status, reply = _call(url, "", "forward", forward, model=name)
+            assert status == 429 and "max_pending_per_tenant" in reply.error
+    keys = KeyStore(ObjectStore(str(tmp_path / "b")))
+    poor = keys.create("poor", budget_usd=0.01)
+    with serve_in_thread(create_app(worker, keys=keys, storage=str(tmp_path / "b"), price_per_hour=3600.0,
+                                    models={teacher: teacher_worker})) as url:
+        status, reply = _call(url, poor, "forward", forward, model=teacher)
+        assert status == 402 and reply.category == "user" and f"forward on {teacher}" in reply.error
+        usage = httpx.get(f"{url}/v1/usage", headers={"Authorization": f"Bearer {poor}"}).json()
+        assert usage["calls"] == 0 and usage["models"] == {}
+
+
+def test_tokenizer_files_from_elsewhere_are_checked_before_anything_is_written(tmp_path):
+    from tinkerless.errors import ProtocolError
+    from tinkerless.functions.companions.tokenizer_files import tokenizer_from_files
+
+    for hostile in (None, {}, [], {"../x.json": b"{}"}, {"/etc/passwd": b""}, {"..": b""}, {"a": "text"},
+                    {3: b""}, {f"f{i}": b"" for i in range(40)}, {"big": b"x" * (65 * 1024 * 1024)}):
+        with pytest.raises(ProtocolError, match="sent no tokenizer files"):
+            tokenizer_from_files(hostile, source="the test")
+    assert not (tmp_path.parent / "x.json").exists()
