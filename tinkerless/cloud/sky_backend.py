@@ -142,8 +142,8 @@ def make_sky_backend(
     else:
         _require_enabled_infra(sky, name, opts.infra)  # no key file, no launch, when nothing can start
         keys = [opts.api_key or new_api_key()]
-        task = _task(model, gpu, opts, keys[0], also_models(model, opts.also_models, run_config))  # refuses GPUs
-        # the model cannot fit, before a key or a launch
+        # Refuses GPUs the model cannot fit, before a key or a launch; a run's teacher of another base is held too.
+        task = _task(model, gpu, opts, keys[0], also_models(model, opts.also_models, run_config))
         if run_config is not None:  # what the run will cost on what it may get, before anything is spent
             from tinkerless.sdk.run.estimate import before_launch
 

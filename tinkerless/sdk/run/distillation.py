@@ -15,7 +15,8 @@ next to the policy:
   process, on `tinkerless serve`, in Modal's `Forward` class, on a SkyPilot cluster's server);
 * another model id or directory: a second model on this machine (the local backend), one of the extra models
   `tinkerless serve --also-model` holds (a server, a SkyPilot cluster's server), or Modal's `Forward` class
-  holding it, with its own tokenizer when it has one (then `functions.companions.alignment` re-renders and aligns the student's text);
+  holding it; with its own tokenizer when it has one (then `functions.companions.alignment` re-renders and
+  aligns the student's text), the one loaded where the model is;
 * `http(s)://...`: an OpenAI-compatible endpoint that returns prompt log-probs (`functions.companions.endpoint`).
 
 Its compute is the run's `teacher` phase (`accounting.PHASES`), apart from the policy's own forward.
@@ -263,8 +264,8 @@ def _tokenizer(model: str) -> Any:
 
 
 def _second_model(spec: str, model: str, backend: Any, usage: Any) -> Teacher:
-    """Another model as the teacher: a second worker on this machine, or a model the server holds beside the
-    policy's; its seconds metered as the teacher's."""
+    """Another model as the teacher: a model the server holds beside the policy's, a Forward class of its own on
+    Modal, or a second worker on this machine; its seconds metered as the teacher's."""
     from tinkerless.sdk.backends.base import LocalBackend
     from tinkerless.sdk.backends.client import TrainingClient
 
