@@ -276,7 +276,7 @@ def create_app(
 
         aliases = {resolve_model(worker.model_name)}
         app.state.tinker = tinker.mount(app, worker, scheduler, store, tenant_of, max_request_bytes=max_request_bytes,
-                                        aliases=aliases, stats=stats, limits=limits)
+                                        aliases=aliases, stats=stats, limits=limits, extras=models)
 
     app.include_router(served_models_router(served, tenant_of))
 

@@ -2,7 +2,7 @@
 
 The main model is the one tenants train on (their adapters, hosted runs, the Tinker and OpenAI APIs). Each extra
 model is a `Worker` of its own, loaded at start, that answers `forward` (log-probs) and `sample` on its base
-weights: a teacher for on-policy distillation of another base (docs/distillation.md), or a second sampler. A
+weights (and a Tinker sampling client's `sample` / `compute_logprobs`, `tinker_api.sampling_calls`): a teacher for on-policy distillation of another base (docs/distillation.md), or a second sampler. A
 `/v1/call/{method}` names one with the `X-Tinkerless-Model` header; that call then goes through everything a call
 on the main model does (the key, validation, the serving limits, the one scheduler: the device runs one call at a
 time, tenants taking turns, and the key's and the run's budgets), and its seconds are also counted under the
