@@ -142,3 +142,22 @@ def test_a_teacher_the_server_does_not_hold_is_refused_before_the_first_step(set
         assert "does not hold model" in str(refused.value)
         assert repr(setup["same"]) in str(refused.value) and repr(setup["other"]) in str(refused.value)
     assert not list(Path(setup["storage"]).glob("tenants/*/runs/refused"))  # refused before the run existed
+
+
+def test_a_resumed_run_with_a_served_teacher_ends_as_the_uninterrupted_local_one(setup):
+    """Stopped after its first step and resumed (a new client, the teacher opened again on the server): the same
+    adapter at step 2 as a local run that went straight through with its second-model teacher."""
+    student, teacher, url, key = setup["student"], setup["same"], setup["url"], setup["key"]
+    settings = {**SETTINGS, "checkpoint_every": 1}
+    tinkerless.train(model=student, teacher=teacher, backend="local", run_id="straight",
+                     storage=str(setup["root"] / "local"), **{**settings, "steps": 2})
+    client = str(setup["root"] / "client")
+    tinkerless.train(model=student, teacher=teacher, backend=HTTPBackend(url, api_key=key), run_id="resumed",
+                     storage=client, **{**settings, "steps": 1})
+    resumed = tinkerless.train(model=student, teacher=teacher, backend=HTTPBackend(url, api_key=key), run_id="resumed",
+                               storage=client, resume=True, **{**settings, "steps": 2})
+    assert [r["step"] for r in resumed.metrics] == [0, 1] and resumed.metrics[1]["teacher_aligned_share"] == 1.0
+    local_file = setup["root"] / "local/runs/straight/checkpoints/step-2/adapter/adapter_model.safetensors"
+    served_file = next(Path(setup["storage"]).glob("tenants/*/runs/resumed/checkpoints/step-2/adapter/"
+                                                   "adapter_model.safetensors"))
+    assert served_file.read_bytes() == local_file.read_bytes()
