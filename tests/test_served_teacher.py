@@ -129,7 +129,7 @@ def test_a_served_teacher_trains_the_student_as_the_local_second_model_does(setu
     forwards = served.usage["by_function"]["teacher/forward"]
     line, was = after["models"][teacher], before["models"].get(teacher, {"calls": 0, "compute_seconds": 0.0})
     assert line["calls"] - was["calls"] == forwards["calls"] > 0
-    assert line["compute_seconds"] - was["compute_seconds"] == pytest.approx(forwards["seconds"], rel=0.05, abs=0.02)
+    assert line["compute_seconds"] - was["compute_seconds"] == pytest.approx(forwards["seconds"], rel=0.05, abs=0.05)
 
 
 def test_a_teacher_the_server_does_not_hold_is_refused_before_the_first_step(setup):
