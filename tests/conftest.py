@@ -77,3 +77,24 @@ def write_resumable_example(path: Path, model: str, steps: int) -> Path:
         )
     )
     return path
+
+
+def build_other_vocabulary_model(path: Path) -> str:
+    """A tiny random model with SmolLM2's tokenizer: another vocabulary than `tiny_model`'s byte-level one (a
+    teacher that aligns by character spans)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from tinkerless.functions.models import resolve_model
+
+    if (path / "config.json").is_file():
+        return str(path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -79,13 +79,16 @@ class _LocalClasses:
 
     def __init__(self, cls, method: str = "call", **overrides):
         self.cls, self.method, self.overrides, self.log = cls, method, overrides, []
+        self.models: list[str] = []  # the model each warm "container" was made for, once per `.remote` call
 
     def __call__(self, **params):
         params = {**params, **self.overrides}
-        warm = getattr(self.cls(**params), self.method)
+        instance = self.cls(**params)
+        warm = getattr(instance, self.method)
 
         def remote(*args):
             self.log.append(("remote", args[0]))
+            self.models.append(params.get("model"))
             return warm.local(*args)
 
         def map_(*iterables):
@@ -95,7 +98,9 @@ class _LocalClasses:
                 results.append(getattr(self.cls(**params), self.method).local(*args))
             return iter(results)
 
-        return SimpleNamespace(**{self.method: SimpleNamespace(remote=remote, map=map_)})
+        files = getattr(instance, "tokenizer_files", None)
+        tokenizer = SimpleNamespace(remote=lambda: files.local()) if files is not None else None
+        return SimpleNamespace(**{self.method: SimpleNamespace(remote=remote, map=map_)}, tokenizer_files=tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +245,7 @@ def test_app_is_built_from_the_config_without_contacting_anything(monkeypatch):
         assert info.gpus == ([(spec.gpu, spec.gpu_count)] if spec.gpu else []), role
         assert (info.timeout, info.max_retries, info.cpu, info.memory_mib) == (spec.timeout, spec.retries, spec.cpu, spec.memory), role
         assert {p: v.name for p, v in info.volumes.items()} == {"/tinkerless": "tl-vol"}, role
-        assert info.method_names == (["train"] if role == "coordinator" else ["call"])
+        assert info.method_names == (["train"] if role == "coordinator" else ["call", "tokenizer_files"])
         assert info.secrets == ["modal.Secret.from_name('aws-keys')"], role
     assert modal_app.source_pyproject() == REPO / "pyproject.toml"  # the image installs the project's own dependencies
 
@@ -613,3 +618,35 @@ def test_a_reader_proves_each_version_it_loads_against_the_writers_proof(built, 
     assert "differ from the writer's by 0.5" in reply.error
     (version_dir / PROOF_FILE).unlink()  # a Volume written before proofs existed: its versions load as before
     assert not isinstance(read({"pol": 1}), ErrorReply)
+
+
+@pytest.mark.parametrize("which", ["same vocabulary", "other vocabulary"])
+def test_a_teacher_of_another_base_runs_in_a_forward_class_of_its_own(tiny_model, tmp_path, fakes, which):
+    """teacher=<another base> on Modal: a Forward class parameterized with the teacher's model scores the samples,
+    the client aligns with the tokenizers the containers loaded, and the run ends with the local backend's second-
+    model teacher's adapter, bit for bit; the teacher's GPU-seconds are the run's own `teacher` line."""
+    from conftest import build_other_vocabulary_model
+
+    from tinkerless.functions.models import build_tiny_model
+
+    if which == "same vocabulary":
+        teacher = build_tiny_model(tmp_path / "teacher", hidden_size=64, num_layers=2, seed=1, initializer_range=0.2)
+    else:
+        teacher = build_other_vocabulary_model(tmp_path / "teacher")
+    settings = dict(teacher=teacher, steps=1, checkpoint_every=1)
+    expected = train(_config(tiny_model, tmp_path / "local").replace(**settings), backend="local")
+    backend = ModalBackend(tiny_model, fakes, ModalConfig(), state_dir=str(tmp_path / "volume"), volume="",
+                           engine="auto", micro_batch_size=16)  # fmt: skip
+    got = train(_config(tiny_model, tmp_path / "modal").replace(**settings), backend=backend)
+    for key in ("teacher_logprob_gap", "teacher_aligned_share", "teacher_aligned_tokens", "loss", "reward_mean"):
+        assert got.metrics[0][key] == expected.metrics[0][key], key
+    assert abs(got.metrics[0]["teacher_logprob_gap"]) > 1e-3
+    adapter = "runs/r/checkpoints/step-1/adapter/adapter_model.safetensors"
+    assert (tmp_path / "modal" / adapter).read_bytes() == (tmp_path / "local" / adapter).read_bytes()
+    forwards = [m for m, (_, method) in zip(fakes["forward"].models, fakes["forward"].log) if method == "forward"]
+    assert forwards and set(forwards) == {teacher}  # every teacher forward went to the teacher's Forward class
+    assert got.usage["compute_seconds"]["teacher"] > 0 and got.usage["by_function"]["teacher/forward"]["calls"] == 1
+    with pytest.raises(Exception, match="answers forward only"):
+        from tinkerless.sdk.backends.base import call
+
+        call(backend.served_model(teacher), "sample", {})

@@ -562,3 +562,76 @@ def test_a_launch_for_a_run_prints_its_estimate_on_every_gpu_it_accepts_before_s
     with pytest.raises(RemoteError):
         make_sky_backend("smollm2", cluster="tl-est3")
     assert "estimate for" not in capsys.readouterr().out
+
+
+# ---- extra base models on the cluster's server (a run's teacher of another base) ----------------
+
+
+@pytest.mark.parametrize("name", ["train.yaml", "onprem.yaml", "serve.yaml"])
+def test_the_server_yamls_pass_each_extra_model_to_serve_as_also_model(sky, name, tmp_path):
+    """The YAML's own run command, run by bash as the node runs it, with the venv's entry points standing in for
+    the server: ALSO_MODELS becomes one `--also-model ID` per id (none by default, no glob, no empty id)."""
+    assert sky.Task.from_yaml(str(SKY_DIR / name)).envs["ALSO_MODELS"] == ""
+    node_home = tmp_path / "node-home"
+    argv_file = tmp_path / "argv"
+    (node_home / "tinkerless-venv/bin").mkdir(parents=True)
+    for tool in ("python", "tinkerless"):  # what the setup installs; here they write down how they were called
+        script = node_home / "tinkerless-venv/bin" / tool
+        script.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {argv_file}\n')
+        script.chmod(0o755)
+    (tmp_path / "star-matches-this").touch()
+    for value, expected in (("", []), ("org/m1", ["org/m1"]), ("  org/m1   /srv/m2 ", ["org/m1", "/srv/m2"]),
+                            ("*", ["*"])):
+        task = build_task(task_config(SKY_DIR / name, envs={"ALSO_MODELS": value}, workdir=tmp_path),
+                          secrets={KEY_ENV: "tml-x"})
+        env = {"PATH": os.environ["PATH"], **task.envs, "HOME": str(node_home), KEY_ENV: "tml-x"}
+        subprocess.run(["bash", "-c", task.run], cwd=tmp_path, env=env, check=True, timeout=30)
+        argv = argv_file.read_text().splitlines()
+        extras = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--also-model"]
+        assert extras == expected, (value, argv)
+        assert argv[argv.index("--model") + 1] == task.envs["MODEL"]
+
+
+def test_a_launch_for_a_run_with_a_teacher_of_another_base_serves_it_and_distills_from_it(
+        sky, tl_home, tiny_model, tmp_path, monkeypatch):
+    """backend="sky" for a run whose teacher is another base model: the launched YAML's server holds it beside the
+    student's base (--also-model), and the run distills from it there."""
+    from tinkerless.cloud.sky_tasks import also_models
+    from tinkerless.functions.models import build_tiny_model
+
+    teacher = build_tiny_model(tmp_path / "teacher", hidden_size=64, num_layers=2, seed=1, initializer_range=0.2)
+    assert also_models(tiny_model, [], tinkerless.TrainConfig(model=tiny_model, teacher=tiny_model)) == ""
+    assert also_models(tiny_model, ["a/b", "a/b"], tinkerless.TrainConfig(model=tiny_model, teacher="run@3")) == "a/b"
+    for bad in ("a b", ["a b"], [""], [3]):
+        with pytest.raises(ConfigError):
+            also_models(tiny_model, bad)
+    port = _free_port()
+    fake = FakeSky(sky, monkeypatch, endpoint=f"127.0.0.1:{port}")
+    node_home = tmp_path / "node-home"
+    node_home.mkdir()
+    (node_home / "tinkerless-venv").symlink_to(VENV)
+    processes: list[subprocess.Popen] = []
+    log = (tmp_path / "server.log").open("w")
+
+    def run_on_node(task) -> None:
+        env = {**os.environ, **task.envs, "HOME": str(node_home), KEY_ENV: task.secrets[KEY_ENV].get_secret_value()}
+        processes.append(subprocess.Popen(["bash", "-c", task.run], cwd=task.workdir, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
+
+    fake.on_launch = run_on_node
+    config = tinkerless.TrainConfig(model=tiny_model, teacher=teacher, tasks=[{"prompt": "2+3?"}], steps=1,
+                                    batch_size=2, group_size=2, max_tokens=4, progress=False, name="opd")
+    try:
+        backend = make_sky_backend(tiny_model, cluster="tl-opd", down_on_close=True, port=port, health_timeout=180,
+                                   poll_interval=0.2, run_config=config)
+        (task,), _ = next((args, kwargs) for name, args, kwargs in fake.calls if name == "launch")
+        assert task.envs["ALSO_MODELS"] == teacher
+        result = tinkerless.train(config, backend=backend, storage=str(tmp_path / "runs"))
+        record = result.metrics[0]
+        assert record["teacher_aligned_share"] == 1.0 and abs(record["teacher_logprob_gap"]) > 1e-3
+        assert result.usage["compute_seconds"]["teacher"] > 0
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)
+        log.close()

@@ -1,7 +1,9 @@
 """The Modal App, built from a `ModalConfig`: three GPU classes, a coordinator, one Volume, one image.
 
 - `Rollout` (generation: rollout, rollout_multi, sample) and `Forward` (log-probs) are
-  readers: they scale out to `max_containers` and never change a policy.
+  readers: they scale out to `max_containers` and never change a policy. A run's teacher of another base model
+  is a `Forward` of its own, parameterized with the teacher's model (`ModalBackend.served_model`), whose
+  `tokenizer_files` the client aligns with.
 - `Update` is the single writer (max_containers=1, enforced by the config): it owns every
   policy's adapter, optimizer and gradients and serves create_policy, update,
   forward_backward, optim_step, save_state, load_state and info.
@@ -103,6 +105,13 @@ class _WorkerHost:
         started = time.perf_counter()
         reply = self._serve(method, payload, versions)
         return reply, time.perf_counter() - started
+
+    @modal.method()
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer this container loaded, as files: a client aligns a teacher of another vocabulary with it."""
+        from tinkerless.functions.companions.tokenizer_files import tokenizer_files
+
+        return tokenizer_files(self.worker.tokenizer)
 
     def _serve(self, method: str, payload: bytes, versions: dict[str, int]) -> bytes:
         writer = self.role == "update"

@@ -16,6 +16,10 @@ concatenation of those chunk requests run anywhere (deterministic for a given
 same samples as the unsplit request: batched sampling draws from one random stream
 per request, and a different batch draws differently.
 
+A teacher of another base model (`served_model`) is the `Forward` class parameterized with the teacher's model:
+containers of their own, loaded with it, answering `forward` on its base weights, metered apart (the run's
+`teacher` line); both models' tokenizers come from their containers (`tokenizer_files`).
+
 Pay-per-use: every container call returns the seconds it ran; `self.usage` records
 them per function as GPU-seconds (seconds x GPUs per container, what Modal bills), one
 record per container call, so a fanned-out rollout counts each chunk. The meter's
@@ -131,6 +135,7 @@ class ModalBackend:
             role: classes[role](**params, options=json.dumps(role_options(role, specs[role], worker_options), sort_keys=True))
             for role in GPU_ROLES
         }
+        self._classes, self._params, self._worker_options = classes, params, worker_options
         self._versions: dict[str, int] = {}
         self._lock = threading.Lock()
         self._on_close = on_close
@@ -154,6 +159,16 @@ class ModalBackend:
         if role == "update":
             self._track(method, payload, reply)
         return reply
+
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer, as the model's `Forward` container loaded it."""
+        return _tokenizer_of(self._objects["forward"], f"modal forward ({self.model})")
+
+    def served_model(self, model: str) -> "ModalTeacher":
+        """Another base model (a teacher) in a `Forward` class of its own: a backend answering `forward`."""
+        options = role_options("forward", self.config.forward, self._worker_options)
+        forward = self._classes["forward"](**{**self._params, "model": model}, options=json.dumps(options, sort_keys=True))
+        return ModalTeacher(model, forward, self.usage.source, self.usage.device, self._gpus_per_container["forward"])
 
     def close(self) -> None:
         on_close, self._on_close = self._on_close, None
@@ -204,6 +219,39 @@ class ModalBackend:
         if isinstance(info, ErrorReply):
             raise RemoteError(f"modal update.info failed: {info.error}", remote_type=info.type, traceback=info.traceback)
         return info["policies"]
+
+
+class ModalTeacher:
+    """A backend on the `Forward` class holding another base model: `forward` on its base weights, metered apart."""
+
+    name = "modal"
+
+    def __init__(self, model: str, forward: Any, source: str, device: str | None, gpus: int):
+        self.model, self._forward, self._gpus = model, forward, gpus
+        self.usage = UsageMeter(source=source, device=device)
+
+    def call_bytes(self, method: str, payload: bytes) -> bytes:
+        if method != "forward":  # the Forward class serves nothing else
+            return encode_message(ErrorReply(f"the teacher {self.model!r} on Modal answers forward only, not {method!r}",
+                                             "user", "UserError"))
+        with _modal_errors(f"forward.{method} ({self.model})"):
+            reply, seconds = self._forward.call.remote(method, payload, {})  # base weights: no policy versions
+        self.usage.record(method, seconds * self._gpus)
+        return reply
+
+    def tokenizer(self) -> Any:
+        return _tokenizer_of(self._forward, f"modal forward ({self.model})")
+
+    def close(self) -> None:
+        """Its containers are the App's: they stop with it."""
+
+
+def _tokenizer_of(forward: Any, where: str) -> Any:
+    from tinkerless.functions.companions.tokenizer_files import tokenizer_from_files
+
+    with _modal_errors(f"{where}.tokenizer_files"):
+        files = forward.tokenizer_files.remote()
+    return tokenizer_from_files(files, source=where)
 
 
 @contextlib.contextmanager
@@ -257,4 +305,4 @@ def make_modal_backend(model: str, *, config: ModalConfig | None = None, **worke
     return backend
 
 
-__all__ = ["ModalBackend", "chunk_seed", "role_options", "make_modal_backend", "merge_rollout_replies", "role_for", "split_rollout"]
+__all__ = ["ModalBackend", "ModalTeacher", "chunk_seed", "role_options", "make_modal_backend", "merge_rollout_replies", "role_for", "split_rollout"]

@@ -26,13 +26,7 @@ from typing import Any
 
 import httpx
 
-from tinkerless.cloud.sky_tasks import (
-    KEY_ENV,
-    SERVER_JOB_PREFIX,
-    build_task,
-    task_config,
-    task_path,
-)
+from tinkerless.cloud.sky_tasks import KEY_ENV, SERVER_JOB_PREFIX, also_models, build_task, task_config, task_path
 from tinkerless.errors import ConfigError, RemoteError
 from tinkerless.sdk.backends.http import HTTPBackend
 from tinkerless.wire.codec import PYTHON_VERSION
@@ -52,6 +46,7 @@ class SkyOptions:
     infra: str | None = None  # "aws", "gcp/us-central1", "k8s/CONTEXT", "ssh/POOL"; None: any enabled infra
     api_key: str | None = None  # default: a fresh key at launch; on reuse, the saved one or $TINKERLESS_API_KEY
     envs: dict[str, str] = field(default_factory=dict)  # extra task envs, e.g. {"EXTRAS": "serve,vllm"}
+    also_models: list[str] = field(default_factory=list)  # more base models the server holds (a run's teacher: added)
     yaml: str | None = None  # default: sky/train.yaml of this checkout
     workdir: str | None = None  # default: this checkout
     # The server exits after `server_idle_minutes` without calls; the cluster, then idle, is torn
@@ -77,6 +72,11 @@ class SkyBackend:
         self._http = http
         self.usage = http.usage  # the server's own timing of each call (X-Tinkerless-Compute-Seconds)
         self._closed = False
+
+    @property
+    def http(self) -> HTTPBackend:
+        """The cluster's server's client (a teacher the server holds beside the model is called through it)."""
+        return self._http
 
     def call_bytes(self, method: str, payload: bytes) -> bytes:
         return self._http.call_bytes(method, payload)
@@ -142,7 +142,8 @@ def make_sky_backend(
     else:
         _require_enabled_infra(sky, name, opts.infra)  # no key file, no launch, when nothing can start
         keys = [opts.api_key or new_api_key()]
-        task = _task(model, gpu, opts, keys[0])  # refuses GPUs the model cannot fit, before a key or a launch
+        # Refuses GPUs the model cannot fit, before a key or a launch; a run's teacher of another base is held too.
+        task = _task(model, gpu, opts, keys[0], also_models(model, opts.also_models, run_config))
         if run_config is not None:  # what the run will cost on what it may get, before anything is spent
             from tinkerless.sdk.run.estimate import before_launch
 
@@ -303,9 +304,10 @@ def _field(record: Any, name: str) -> Any:
 # ---- the task, the key and the server -----------------------------------------------------
 
 
-def _task(model: str, gpu: str | None, opts: SkyOptions, key: str) -> Any:
+def _task(model: str, gpu: str | None, opts: SkyOptions, key: str, also: str = "") -> Any:
     envs = {
         "MODEL": model,
+        **({"ALSO_MODELS": also} if also else {}),  # a run's teacher of another base, held beside the model
         "PYTHON_VERSION": PYTHON_VERSION,  # the server unpickles this client's code
         "IDLE_MINUTES": f"{opts.server_idle_minutes:g}",
         **opts.envs,

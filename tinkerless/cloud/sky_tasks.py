@@ -3,6 +3,8 @@
 - `task_config` / `build_task`: a `sky.Task` from a YAML in the checkout's `sky/`
   directory with the model, port, GPU, infra, Python version and API key filled in,
   so the YAML a user launches by hand and the one `backend="sky"` launches are the same;
+  `also_models`: the extra base models the server holds beside the model (its `ALSO_MODELS`: a run's teacher
+  of another base, each passed to `tinkerless serve --also-model`);
 - `python -m tinkerless.cloud.sky_tasks train FILE --storage URL --run-id ID [flags]`:
   `tinkerless train`, plus `--resume` when the run already exists in storage. SkyPilot
   reruns the same command after a preemption, so a first start and every restart must
@@ -87,6 +89,28 @@ def build_task(config: Mapping[str, Any], *, secrets: Mapping[str, str] | None =
     import sky
 
     return sky.Task.from_yaml_config(dict(config), secrets_overrides=list((secrets or {}).items()) or None)
+
+
+def also_models(model: str, extra: Any = (), run_config: Any = None) -> str:
+    """`ALSO_MODELS` for a server task: the extra models asked for, plus the run's teacher when it is another base
+    model (the server must hold it: docs/distillation.md), space-separated, each once and none the model itself."""
+    from tinkerless.sdk.checkpoints.checkpoint_ref import same_model
+    from tinkerless.sdk.run.distillation import teacher_kind
+
+    if isinstance(extra, str) or not isinstance(extra, (list, tuple)):
+        raise ConfigError(f"also_models must be a list of model ids, got {extra!r}", hint="e.g. also_models=['smollm2']")
+    wanted = list(extra)
+    teacher = getattr(run_config, "teacher", None)
+    if isinstance(teacher, str) and teacher_kind(teacher.strip()) == "model":
+        wanted.append(teacher.strip())
+    out: list[str] = []
+    for spec in wanted:
+        if not isinstance(spec, str) or not spec.strip() or any(c.isspace() for c in spec.strip()):
+            raise ConfigError(f"also_models: {spec!r} is not a model id (one word, no spaces)",
+                              hint="a Hugging Face id such as Qwen/Qwen2.5-1.5B-Instruct, or a path on the node")
+        if not same_model(spec, model) and not any(same_model(spec, kept) for kept in out):
+            out.append(spec.strip())
+    return " ".join(out)
 
 
 def train_or_resume(argv: list[str]) -> int:

@@ -1,13 +1,15 @@
 """HTTP transport for the worker: the same msgpack envelopes the local backend uses, over HTTP.
 
-    POST /v1/call/{method}   body: encoded request envelope (application/msgpack)
+    POST /v1/call/{method}   body: encoded request envelope (application/msgpack); header X-Tinkerless-Model:
+                             one of the server's extra models (forward, sample) instead of its main one
                              200: encoded reply; 400/500: encoded `ErrorReply` (user/server);
                              413: encoded `ErrorReply` (ProtocolError) when the body is too large;
                              429 + Retry-After: the queue is full
                              402: encoded `ErrorReply` (BudgetExceeded): the key's budget would be exceeded
     POST /v1/runs/...        server-hosted runs: coordinator calls and checkpoints (see `runs`)
     GET  /v1/usage           what the caller's key spent, holds and may still spend (see `budgets`)
-    GET  /healthz            {"status": "ok", "model": ..., "policies": {name: version}}
+    GET  /healthz            {"status": "ok", "model": ..., "models": [main, extra...], "policies": {name: version}}
+    GET  /v1/served-models   the models this server holds, and each one's tokenizer (see `served_models`)
     GET  /metrics            Prometheus text: queue depth, calls in flight, requests, CPU/GPU
     /api/v1/...              the Tinker API, for the official `tinker` SDK (see `tinker_api`)
     /v1/models, /v1/chat/completions, /v1/completions
@@ -39,13 +41,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinkerless.errors import BudgetExceeded, ProtocolError, SequenceReused, ServerBusy, TinkerlessError, UserError
 from tinkerless.wire.http import RequestTooLarge, read_body
-from tinkerless.server.budgets import KeyBudgets, calling_key
+from tinkerless.server.budgets import KeyBudgets, calling_key, served_model
 from tinkerless.server.run_budgets import Charges, RunBudgets
 from tinkerless.storage import ObjectStore
 from tinkerless.server.keys import KeyStore
 from tinkerless.server.limits import LimitExceeded, ServingLimits
 from tinkerless.server.replies import error_response, status_of, stream_of, unauthorized
 from tinkerless.server.scheduler import QueueFull, Scheduler
+from tinkerless.server.served_models import ModelRefusal, ServedModels, served_models_router
 from tinkerless.server.stats import ServerStats
 from tinkerless.functions.hosting.user_code import tenant_scope
 from tinkerless.server.tenancy import policy_quota, scope, tenant_prefix, unscope
@@ -87,6 +90,7 @@ def create_app(
     slice_seconds: float = 0.05,
     tinker_api: bool = True,
     price_per_hour: float | None = None,
+    models: dict[str, Handler] | None = None,
 ) -> FastAPI:
     """A FastAPI app serving one worker (or the worker a zero-argument factory builds, built now).
 
@@ -99,6 +103,7 @@ def create_app(
     request may generate; `slice_seconds` is how long a generation runs before yielding to others.
     `price_per_hour` prices the server's device-seconds for the keys' budgets (default: the list price of the
     worker's device, `functions/prices.py`; the CPU is free, so budgets on a CPU server need a price).
+    `models`: extra base models beside the main one, {id: its Worker}, answering forward and sample (`served_models`).
     """
     worker: Handler = (
         worker_factory_or_worker
@@ -107,6 +112,7 @@ def create_app(
     )
     app = FastAPI(title="tinkerless", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
+    served = app.state.served = ServedModels(worker, models)
     app.state.max_request_bytes = max_request_bytes
     limits = limits or ServingLimits()
     app.state.limits = limits
@@ -159,6 +165,7 @@ def create_app(
             return error_response(400, exc)
         policies: frozenset[str] = frozenset()
         try:
+            target, model_id = served.pick(request, method)  # the main worker, or an extra model's
             body = await read_body(request, max_request_bytes)
             # Every value is checked before anything reads it (the limits below included). `info` ignores its
             # request and unknown methods are refused by the worker: their bodies are never walked.
@@ -166,14 +173,16 @@ def create_app(
             # (A handler that names no methods, a test double, gets its bodies checked only when they are scoped.)
             if method != "info" and (method in known_methods if known_methods else bool(tenant)):
                 decoded = validate(decode_message(body))  # the worker validates again, token ids included
-            if method in _GENERATING and hasattr(worker, "chat"):
-                await asyncio.to_thread(_check_limits, limits, worker, method, decoded)
+            if model_id is not None:
+                served.check_request(model_id, decoded)
+            if method in _GENERATING and hasattr(target, "chat"):
+                await asyncio.to_thread(_check_limits, limits, target, method, decoded)
             if tenant and decoded is not None:  # multi-tenant: every policy name scoped to the caller
                 decoded = scope(decoded, tenant_prefix(tenant))
                 body = encode_message(decoded)
             if method in _POLICY_STATE:
                 policies = _policy_named(method, decoded, body)
-        except LimitExceeded as exc:
+        except (LimitExceeded, ModelRefusal) as exc:
             if stream is not None:
                 scheduler.skip(tenant, stream, seq)
             stats.count(label, 400)
@@ -198,7 +207,7 @@ def create_app(
         def run() -> tuple[bytes, float, float]:
             started = time.perf_counter()  # the scheduler starts the job: what came before was queueing
             with tenant_scope(tenant):  # a tenant's env/reward code runs in that tenant's sandbox (user_code.py)
-                return worker.handle(method, body), time.perf_counter() - started, started - submitted
+                return target.handle(method, body), time.perf_counter() - started, started - submitted
 
         if method in model_free:  # reads no model: never waits behind the queue
             if stream is not None:
@@ -209,8 +218,10 @@ def create_app(
                     return error_response(status_of(exc), exc)
             return _reply(label, tenant, *run())
 
+        served_model.set(model_id)  # the key's usage counts an extra model's seconds under its id
         try:
-            future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq, policies=policies, charge=label)
+            future = scheduler.submit(run, tenant=tenant, stream=stream, seq=seq, policies=policies,
+                                      charge=label if model_id is None else f"{label} on {model_id}")
         except BudgetExceeded as exc:  # refused before its work: its sequence number must not hold later calls
             if stream is not None:
                 scheduler.skip(tenant, stream, seq)
@@ -251,7 +262,7 @@ def create_app(
         from tinkerless.server.openai_api.serve_backend import ServeBackend
 
         # The OpenAI API (docs/openai.md): the same keys, tenants, scheduler and limits as the routes above.
-        app.state.openai = ServeBackend(worker, scheduler, store, limits=limits)
+        app.state.openai = ServeBackend(worker, scheduler, store, limits=limits, extra_models=list(served.extras))
         app.state.cancel_jobs = app.state.openai.cancel_all
         app.include_router(openai_router(app.state.openai, caller=tenant_of, max_body_bytes=max_request_bytes))
         # Anthropic Messages and OpenAI Responses: the same backend, keys and limits (docs/anthropic-messages.md,
@@ -265,7 +276,9 @@ def create_app(
 
         aliases = {resolve_model(worker.model_name)}
         app.state.tinker = tinker.mount(app, worker, scheduler, store, tenant_of, max_request_bytes=max_request_bytes,
-                                        aliases=aliases, stats=stats, limits=limits)
+                                        aliases=aliases, stats=stats, limits=limits, extras=models)
+
+    app.include_router(served_models_router(served, tenant_of))
 
     @app.exception_handler(StarletteHTTPException)
     async def no_such_route(request: Request, exc: StarletteHTTPException) -> Response:
@@ -315,7 +328,8 @@ def create_app(
         info = worker.info()
         if tenant:  # a tenant sees only its own policies
             info = unscope(info, tenant_prefix(tenant))
-        return JSONResponse({"status": "ok", "model": info.get("model"), "policies": dict(info.get("policies", {}))})
+        return JSONResponse({"status": "ok", "model": info.get("model"), "models": served.ids(),
+                             "policies": dict(info.get("policies", {}))})
 
     return app
 

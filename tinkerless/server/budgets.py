@@ -37,6 +37,8 @@ MARGIN = 1.5  # a call is expected to take up to this many times the longest cal
 
 # The key of the request being handled (its id), set where the request's key is checked (`app.tenant_of`).
 calling_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("tinkerless_calling_key", default=None)
+# The extra model (`served_models`) the request being handled runs on, None for the main one: counted apart per key.
+served_model: contextvars.ContextVar[str | None] = contextvars.ContextVar("tinkerless_served_model", default=None)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Reservation:
     kind: str
     usd: float
     done: bool = False
+    model: str | None = None  # an extra model's id (`served_model`): its seconds also counted under it
 
 
 class KeyBudgets:
@@ -89,7 +92,7 @@ class KeyBudgets:
                 )
             self._reserved[key_id] = reserved + expected
             self._running[key_id] = running + 1
-            return Reservation(key_id, kind, expected)
+            return Reservation(key_id, kind, expected, model=served_model.get())
 
     def settle(self, reservation: Reservation | None, seconds: float, judge: Any = None) -> None:
         """The call ran `seconds`: its reservation is replaced by what it cost. `judge` (a `JudgeMeter`): what an
@@ -103,6 +106,10 @@ class KeyBudgets:
             usage["spent_usd"] = float(usage.get("spent_usd", 0.0)) + self.usd(seconds)
             usage["compute_seconds"] = float(usage.get("compute_seconds", 0.0)) + seconds
             usage["calls"] = int(usage.get("calls", 0)) + 1
+            if reservation.model is not None:  # a call on an extra model (a teacher's forward): its own line too
+                line = usage.setdefault("models", {}).setdefault(reservation.model, {"compute_seconds": 0.0, "calls": 0})
+                line["compute_seconds"] = float(line.get("compute_seconds", 0.0)) + seconds
+                line["calls"] = int(line.get("calls", 0)) + 1
             if judge is not None and judge.questions:
                 # never more than the call's own seconds (the judge's clock runs inside the call's)
                 usage["judge_seconds"] = float(usage.get("judge_seconds", 0.0)) + min(max(judge.seconds, 0.0), seconds)
@@ -157,14 +164,19 @@ class KeyBudgets:
 def usage_row(key_id: str, tenant: str | None, budget: float | None, used: dict, reserved: float,
               price_per_hour: float | None) -> dict:
     """A key's usage as GET /v1/usage shows it: `compute_seconds` is all its calls' (the judge's included),
-    `judge_*` the part an LLM judge inside its rollouts took (seconds, tokens read, verdicts, of them cached) and
+    `judge_*` the part an LLM judge inside its rollouts took (seconds, tokens read, verdicts, of them cached),
+    `models` the calls on the server's extra models (`--also-model`: a teacher's forwards), by model id, and
     `policy_seconds` the rest."""
     spent = float(used.get("spent_usd", 0.0))
     compute, judge_s = float(used.get("compute_seconds", 0.0)), float(used.get("judge_seconds", 0.0))
+    raw = used.get("models") if isinstance(used.get("models"), dict) else {}
+    models = {str(k): {"compute_seconds": float(v.get("compute_seconds", 0.0)), "calls": int(v.get("calls", 0))}
+              for k, v in raw.items() if isinstance(v, dict)}
+    model_s = sum(v["compute_seconds"] for v in models.values())
     return {"key_id": key_id, "tenant": tenant, "budget_usd": budget, "spent_usd": spent, "reserved_usd": reserved,
             "remaining_usd": None if budget is None else max(budget - spent - reserved, 0.0),
             "compute_seconds": compute, "calls": int(used.get("calls", 0)),
-            "policy_seconds": max(compute - judge_s, 0.0), "judge_seconds": judge_s,
+            "policy_seconds": max(compute - judge_s - model_s, 0.0), "judge_seconds": judge_s, "models": models,
             "judge_tokens": int(used.get("judge_tokens", 0)), "judge_verdicts": int(used.get("judge_verdicts", 0)),
             "judge_cache_hits": int(used.get("judge_cache_hits", 0)), "price_per_hour": price_per_hour}
 

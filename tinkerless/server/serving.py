@@ -35,10 +35,13 @@ def serve(
     log_level: str = "info",
     single_user: bool = False,
     price_per_hour: float | None = None,
+    also_models: list[str] | tuple[str, ...] = (),
     **worker_options: Any,
 ) -> None:
     """Load `model` into a Worker and serve it until interrupted (binds to localhost unless told otherwise).
 
+    `also_models`: extra base models, each loaded into a Worker of its own beside the main one, answering forward
+    (log-probs) and sample for a teacher of another base (`served_models`, docs/serving.md); tenants train on `model`.
     `gpus` > 1 (a worker option) trains over that many GPUs as FSDP2 ranks (`functions/sharding`).
     With `auth` (the default), calls need an API key issued into `storage` by `tinkerless keys create`.
     Clients' env/reward/agent code runs in a sandboxed process per tenant (`user_code.py`), never in
@@ -49,6 +52,7 @@ def serve(
     from tinkerless.functions.worker import Worker
     from tinkerless.storage import ObjectStore
 
+    also_models = _distinct(model, also_models)
     keys = KeyStore(ObjectStore(storage or "."), extra_keys=extra_keys) if auth else None
     if not single_user:
         from tinkerless.functions.hosting.user_code import UserCodeHosts
@@ -65,6 +69,11 @@ def serve(
         worker: Worker = SplitWorker(model, ranks=gpus, **worker_options)
     else:
         worker = Worker(model, **worker_options)
+    # The extra models share the device and the CPU threads: the scheduler runs one call at a time on any of them.
+    extra_options = {k: v for k, v in worker_options.items() if k in ("threads", "dtype", "device", "engine")}
+    if getattr(worker, "threads", None) is not None:
+        extra_options["threads"] = worker.threads.threads
+    models = {spec: Worker(spec, **extra_options) for spec in also_models}
     app = create_app(
         worker,
         max_request_bytes=max_request_bytes,
@@ -75,6 +84,7 @@ def serve(
         keys=keys,
         storage=storage or ".",
         price_per_hour=price_per_hour,
+        models=models,
     )
 
     class Server(uvicorn.Server):
@@ -91,6 +101,23 @@ def serve(
         Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
     finally:  # a graceful stop writes what keys and runs spent since the last timed write (a crash loses <= 1 s)
         app.state.flush_spending()
+
+
+def _distinct(model: str, also_models: Any) -> list[str]:
+    """The extra model ids, each once and none the main model (checked before any loads: loading takes minutes)."""
+    from tinkerless.errors import ConfigError
+    from tinkerless.functions.models import model_aliases
+
+    seen, out = set(model_aliases(model)), []
+    for spec in also_models:
+        if not isinstance(spec, str) or not spec.strip():
+            raise ConfigError(f"--also-model {spec!r} is not a model id or directory", hint="e.g. --also-model smollm2")
+        if model_aliases(spec.strip()) & seen:
+            raise ConfigError(f"--also-model {spec!r} is served already (the main --model, or an earlier --also-model)",
+                              hint="name each model once")
+        seen |= model_aliases(spec.strip())
+        out.append(spec.strip())
+    return out
 
 
 @contextlib.contextmanager

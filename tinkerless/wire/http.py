@@ -12,6 +12,7 @@ COMPUTE_SECONDS_HEADER = "X-Tinkerless-Compute-Seconds"  # reply: the server's t
 QUEUE_SECONDS_HEADER = "X-Tinkerless-Queue-Seconds"  # reply: how long the call waited in the server's queue first
 STREAM_HEADER = "X-Tinkerless-Stream"  # request: one client's calls to a server ...
 SEQ_HEADER = "X-Tinkerless-Seq"  # ... run in this order (1, 2, 3, ...), however they arrive
+MODEL_HEADER = "X-Tinkerless-Model"  # request: which of the server's models a /v1/call runs on (default: its main one)
 
 
 class RequestTooLarge(Exception):

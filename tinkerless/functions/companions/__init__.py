@@ -5,6 +5,8 @@ Both are another model served beside the policy, metered and failing the same wa
 - `alignment`: a teacher's log-probs for the student's sampled tokens when the two tokenize differently
   (the student's text re-rendered with the teacher's chat template, matched by character spans);
 - `endpoint`: prompt log-probs from an OpenAI-compatible endpoint (a teacher served elsewhere);
+- `tokenizer_files`: a companion model's tokenizer as files and back, from where it is loaded (a server's extra
+  model, a Modal container) to the client that aligns with it;
 - `judge`: an LLM judge as a reward (`tinkerless.judge`): its prompt with the completion fenced off, its verdict
   parsed (pointwise scores, or a group ranked together), retried when unparseable, cached by content; a judge
   that fails or times out raises `InfrastructureFailure`, never a reward of 0; `judge_engine`: the judge on the

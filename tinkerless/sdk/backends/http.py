@@ -29,7 +29,8 @@ import httpx
 
 from tinkerless.errors import RemoteError, ServerBusy, ServerUnreachable
 from tinkerless.sdk.run.accounting import UsageMeter
-from tinkerless.wire.http import COMPUTE_SECONDS_HEADER, MSGPACK, QUEUE_SECONDS_HEADER, SEQ_HEADER, STREAM_HEADER
+from tinkerless.wire.http import (COMPUTE_SECONDS_HEADER, MODEL_HEADER, MSGPACK, QUEUE_SECONDS_HEADER, SEQ_HEADER,
+                                  STREAM_HEADER)
 
 _ENVELOPE_STATUSES = (200, 400, 401, 402, 404, 409, 413, 500, 503)  # statuses whose body is a msgpack envelope from the server
 # Called with (seconds, why) before each wait on a busy server: the progress bar shows it (`run/progress.py`).
@@ -68,14 +69,18 @@ class HTTPBackend:
     def call_bytes(self, method: str, payload: bytes) -> bytes:
         return self.post(f"/v1/call/{method}", payload, label=method)
 
-    def post(self, path: str, payload: bytes, *, label: str, ordered: bool = True) -> bytes:
-        """POST a msgpack envelope to `path`; the reply's bytes (error envelopes included).
+    def post(self, path: str, payload: bytes, *, label: str, ordered: bool = True, model: str | None = None,
+             usage: UsageMeter | None = None) -> bytes:
+        """POST a msgpack envelope to `path`; the reply's bytes (error envelopes included). `model`: one of the
+        server's extra models instead of its main one (`served_model.ServedModelBackend`), its seconds in `usage`.
 
         `ordered` calls carry this client's stream and next sequence number: the server runs
         them on the model in that order. Coordinator calls (`ordered=False`) skip the queue; they
         carry the stream alone, so a run opened here fences off its earlier driver's worker calls."""
         url = f"{self.base_url}{path}"
         headers = {"Content-Type": MSGPACK, STREAM_HEADER: self._stream}
+        if model is not None:
+            headers[MODEL_HEADER] = model
         if ordered:
             with self._seq_lock:
                 headers.update({STREAM_HEADER: self._stream, SEQ_HEADER: str(next(self._seq))})
@@ -99,7 +104,7 @@ class HTTPBackend:
             time.sleep(wait)
         if response.status_code in _ENVELOPE_STATUSES and response.headers.get("content-type", "").startswith(MSGPACK):
             if ordered:
-                self._record(label, response, time.perf_counter() - started)
+                self._record(label, response, time.perf_counter() - started, usage or self.usage)
             return response.content
         raise _remote_error(
             f"{url} answered HTTP {response.status_code} without a tinkerless reply: {response.text[:200]!r}",
@@ -129,7 +134,15 @@ class HTTPBackend:
                 hint="check that the server is still running (its log says why it stopped) and retry",
             ) from exc
 
-    def _record(self, method: str, response: httpx.Response, wall_seconds: float) -> None:
+    def get(self, path: str, params: dict | None = None) -> httpx.Response:
+        """GET `path` (the server's listings), its response as it came."""
+        try:
+            return self._client.get(path, params=params)
+        except httpx.TransportError as exc:
+            raise ServerUnreachable(f"GET {path} failed: cannot reach the tinkerless server at {self.base_url} ({exc})",
+                                    hint=_START_HINT) from exc
+
+    def _record(self, method: str, response: httpx.Response, wall_seconds: float, usage: UsageMeter) -> None:
         """Bill the server's timing; a reply without it (an older server, a proxy that drops headers)
         that still ran the function is billed at the client's wall time, marked as such."""
         try:
@@ -141,11 +154,11 @@ class HTTPBackend:
         except ValueError:
             queued = math.nan
         if math.isfinite(queued) and queued >= 0:
-            self.usage.record_queue(queued)
+            usage.record_queue(queued)
         if math.isfinite(seconds) and seconds >= 0:
-            self.usage.record(method, seconds)
+            usage.record(method, seconds)
         elif response.status_code == 200:  # error replies without the header were refused before any function ran
-            self.usage.record(method, wall_seconds, client_timed=True)
+            usage.record(method, wall_seconds, client_timed=True)
 
     def close(self) -> None:
         self._client.close()

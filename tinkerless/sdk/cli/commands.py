@@ -133,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     serve.add_argument("--model", default="smollm2", help="the base model every tenant's adapters train on (default: %(default)s)")
+    serve.add_argument("--also-model", action="append", default=[], metavar="ID",
+                       help="another base model to hold beside --model, for forward (log-probs) and sampling: a "
+                       "teacher of another base for on-policy distillation (repeatable; docs/serving.md)")
     serve.add_argument("--storage", default=".", help="where API keys, the runs driven through this server and Tinker checkpoints live (a directory or fsspec URL; default: %(default)s)")
     serve.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024, help="larger requests get HTTP 413 (default: %(default)s)")
     serve.add_argument("--max-pending", type=int, default=1024, help="queued calls before HTTP 429 (default: %(default)s)")
@@ -301,6 +304,7 @@ def _serve(args) -> int:
         max_pending_per_tenant=args.max_pending_per_tenant, slice_seconds=args.slice_seconds, single_user=args.single_user,
         limits=ServingLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServingLimits)}),
         threads=args.threads, dtype=args.dtype, gpus=_gpus(args), price_per_hour=args.price_per_hour,
+        also_models=args.also_model,
     )
     return 0
 

@@ -13,8 +13,10 @@ next to the policy:
 * `RUN@STEP` / `RUN@latest`, a checkpoint of a run on the same base (the student's own earlier one included):
   loaded once as a second adapter on the policy's worker, so the forward runs wherever the policy does (in
   process, on `tinkerless serve`, in Modal's `Forward` class, on a SkyPilot cluster's server);
-* another model id or directory: a second model on this machine (the local backend), with its own tokenizer
-  when it has one (then `functions.companions.alignment` re-renders and aligns the student's text);
+* another model id or directory: a second model on this machine (the local backend), one of the extra models
+  `tinkerless serve --also-model` holds (a server, a SkyPilot cluster's server), or Modal's `Forward` class
+  holding it; with its own tokenizer when it has one (then `functions.companions.alignment` re-renders and
+  aligns the student's text), the one loaded where the model is;
 * `http(s)://...`: an OpenAI-compatible endpoint that returns prompt log-probs (`functions.companions.endpoint`).
 
 Its compute is the run's `teacher` phase (`accounting.PHASES`), apart from the policy's own forward.
@@ -262,29 +264,63 @@ def _tokenizer(model: str) -> Any:
 
 
 def _second_model(spec: str, model: str, backend: Any, usage: Any) -> Teacher:
-    """Another model as the teacher: a second worker on this machine, its seconds metered as the teacher's."""
+    """Another model as the teacher: a model the server holds beside the policy's, a Forward class of its own on
+    Modal, or a second worker on this machine; its seconds metered as the teacher's."""
     from tinkerless.sdk.backends.base import LocalBackend
     from tinkerless.sdk.backends.client import TrainingClient
 
-    if getattr(backend, "name", None) != "local":
+    http = _http_of(backend)
+    if http is not None:
+        from tinkerless.sdk.backends.served_model import ServedModelBackend, fetch_tokenizer, served_models
+
+        teacher_backend: Any = ServedModelBackend(http, spec)  # refused here when the server does not hold it
+        student_tokenizer = fetch_tokenizer(http, served_models(http)["main"])
+        teacher_tokenizer = teacher_backend.teacher_tokenizer
+        description = f"model {spec} (served beside the policy by {http.base_url})"
+    elif callable(getattr(backend, "served_model", None)):  # Modal: a Forward class holding the teacher's model
+        teacher_backend = backend.served_model(spec)
+        student_tokenizer, teacher_tokenizer = backend.tokenizer(), teacher_backend.tokenizer()
+        description = f"model {spec} (in a Forward class of its own on {backend.name})"
+    elif getattr(backend, "name", None) == "local":
+        # The same CPU threads as the policy's worker: the two take turns, they never run at once.
+        teacher_backend = LocalBackend(spec, threads=backend.worker.threads.threads)
+        student_tokenizer = backend.worker.tokenizer
+        teacher_tokenizer = teacher_backend.worker.tokenizer
+        description = f"model {spec} (a second model on this machine)"
+    else:
         raise ConfigError(
-            f"teacher={spec!r} is another base model, which runs beside the policy on the local backend only",
-            hint="on a server, Modal or SkyPilot use a checkpoint of the same base (RUN@STEP), the base itself, or an "
-            "OpenAI-compatible endpoint serving the teacher (teacher='http://host:port/v1')",
+            f"teacher={spec!r} is another base model, which runs beside the policy on the local backend, on a "
+            f"`tinkerless serve` server that holds it (--also-model) or on Modal, not on {getattr(backend, 'name', backend)!r}",
+            hint="use a checkpoint of the same base (RUN@STEP), the base itself, or an OpenAI-compatible endpoint "
+            "serving the teacher (teacher='http://host:port/v1')",
         )
-    # The same CPU threads as the policy's worker: the two take turns, they never run at once.
-    teacher_backend = LocalBackend(spec, threads=backend.worker.threads.threads)
     usage.add_meter("teacher", teacher_backend.usage)
     client = TrainingClient(teacher_backend, BASE_POLICY, create=False)
-    student_tokenizer = backend.worker.tokenizer
-    teacher_tokenizer = teacher_backend.worker.tokenizer
-    description = f"model {spec} (a second model on this machine)"
     if _same_vocabulary(student_tokenizer, teacher_tokenizer):
         teacher: Teacher = ForwardTeacher(client, description)
     else:
         teacher = AligningTeacher(lambda data: client.forward(data).logprobs, student_tokenizer, teacher_tokenizer,
                                   description)
     return teacher  # the second worker holds no processes of its own: it goes with the run
+
+
+def check_teacher_held(config: Any, backend: Any) -> None:
+    """A teacher of another base that the run's server does not hold is refused before the run exists, naming the
+    models the server holds."""
+    from tinkerless.sdk.checkpoints.checkpoint_ref import same_model
+
+    spec = config.teacher.strip() if isinstance(config.teacher, str) else None
+    http = _http_of(backend)
+    if spec and http is not None and teacher_kind(spec) == "model" and not same_model(spec, config.model):
+        from tinkerless.sdk.backends.served_model import served_models
+
+        served_models(http, spec)
+
+
+def _http_of(backend: Any) -> Any:
+    """The `HTTPBackend` a run's calls go through (a server's, a SkyPilot cluster's server's), or None."""
+    http = backend if getattr(backend, "name", None) == "http" else getattr(backend, "http", None)
+    return http if http is not None and hasattr(http, "post") and hasattr(http, "get") else None
 
 
 def _same_vocabulary(a: Any, b: Any) -> bool:

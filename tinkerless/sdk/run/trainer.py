@@ -107,6 +107,7 @@ class _Run:
                 from tinkerless.sdk.checkpoints.warm_start import check_init_from
 
                 check_init_from(config.init_from, self.host, config.model, config.lora_rank)
+            distillation.check_teacher_held(config, self.backend)  # a teacher the server lacks: before the run exists
             self.coordinator, start = self._open_run()
         except BaseException:
             self.backend.close()

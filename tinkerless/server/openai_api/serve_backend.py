@@ -38,7 +38,7 @@ from tinkerless.wire.messages import BASE_POLICY, SamplingParams
 class ServeBackend:
     def __init__(
         self, worker, scheduler: Scheduler, store: ObjectStore, *, limits: ServingLimits | None = None,
-        max_adapters: int = 8,
+        max_adapters: int = 8, extra_models: list[str] = (),
     ):
         self.worker = worker
         self.scheduler = scheduler
@@ -47,6 +47,8 @@ class ServeBackend:
         self.adapters = AdapterCache(worker, max_adapters)
         self.base_model = public_model_id(worker.model_name)
         self.base_names = model_aliases(worker.model_name)
+        # The server's other base models (`served_models`): listed, answering forward and sample over /v1/call.
+        self.extra_models = {name: spec for spec in extra_models for name in model_aliases(spec)}
         config = getattr(getattr(worker, "base_model", None), "config", None)
         self.context_length: int | None = getattr(config, "max_position_embeddings", None)
         self.max_choices = self.limits.max_samples  # choices one request may ask for, all prompts together
@@ -106,12 +108,18 @@ class ServeBackend:
         return sorted(n for n in names if not (hidden and (n.startswith(SLOT_PREFIX) or _is_scoped(n))))
 
     def models(self, caller: str) -> list[str]:
-        return [self.base_model, *self._live_policies(caller), *self.names.list(caller)]
+        extras = sorted({public_model_id(spec) for spec in self.extra_models.values()})
+        return [self.base_model, *extras, *self._live_policies(caller), *self.names.list(caller)]
 
     def _resolve(self, caller: str, model: str) -> tuple[str, AdapterRef | str]:
         """("base", BASE_POLICY) | ("live", worker policy) | ("adapter", AdapterRef) (storage reads: off the loop)."""
         if model in self.base_names:
             return "base", BASE_POLICY
+        if model in self.extra_models:
+            raise OpenAIError(f"model {model[:200]!r} is served beside this server's main model for log-probs and "
+                              f"sampling over its msgpack API only", param="model", code="model_not_supported",
+                              hint=f"POST /v1/call/sample or /v1/call/forward with header X-Tinkerless-Model: {model[:200]} "
+                              f"(HTTPBackend(url, model=...)); chat and completions here serve {self.base_model!r} and its adapters")
         live = self._live_policy(caller, model)
         if live is not None:
             return "live", live

@@ -13,11 +13,13 @@ from tinkerless.server.tinker_api.service import TinkerService
 
 def mount(
     app, worker, scheduler, store, tenant_of, *, max_request_bytes: int, aliases: set[str] | None = None, stats=None,
-    limits=None,
+    limits=None, extras: dict | None = None,
 ) -> TinkerService:
+    """`extras`: the server's extra base models {id: worker} (`served_models`), sampling clients' base models too."""
     from tinkerless.server.tinker_api.routes import make_router
 
-    service = TinkerService(worker, scheduler, CheckpointRegistry(store), aliases=aliases or set(), limits=limits)
+    service = TinkerService(worker, scheduler, CheckpointRegistry(store), aliases=aliases or set(), limits=limits,
+                            extras=extras)
     app.include_router(make_router(service, tenant_of, max_request_bytes, stats))
     return service
 

@@ -114,8 +114,10 @@ def make_router(service: TinkerService, tenant_of, max_request_bytes: int, stats
 
     @router.get("/get_server_capabilities")
     async def capabilities(request: Request) -> Response:
+        extras = sorted({model_id for model_id, _ in service.extra_workers.values()})  # sampled, never trained
         return await call(request, lambda t, b: {"supported_models": [
-            {"model_name": service.base_model, "trainable": True, "sampleable": True}]})
+            {"model_name": service.base_model, "trainable": True, "sampleable": True},
+            *({"model_name": name, "trainable": False, "sampleable": True} for name in extras)]})
 
     # -- training -----------------------------------------------------------------------
     route("/create_model", service.create_model)

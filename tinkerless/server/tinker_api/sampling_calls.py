@@ -13,6 +13,7 @@ import hashlib
 import secrets
 
 from tinkerless.errors import UserError
+from tinkerless.server.budgets import served_model
 from tinkerless.server.tinker_api import convert
 from tinkerless.server.tinker_api.checkpoints import TinkerPath
 from tinkerless.server.tinker_api.prompt_scores import PromptScoring
@@ -54,6 +55,8 @@ class SamplingCalls:
             return Sampler(sampler_id, tenant, base, model_path=model_path)
         if base_model is None:
             raise UserError("sampling needs a model_path or a base_model")
+        if base_model in self.extra_workers:  # one of the server's extra models: its base weights
+            return Sampler(sampler_id, tenant, self.extra_workers[base_model][0])
         self._check_base_model(base_model)
         return Sampler(sampler_id, tenant, self.base_model)
 
@@ -73,11 +76,13 @@ class SamplingCalls:
                 )
         else:
             sampler = self._sampler_for(tenant, "direct", body.get("model_path"), body.get("base_model"))
+        worker, extra = self._worker_for(sampler)
+        served_model.set(extra)  # the key's usage counts an extra model's seconds under its id
         unsupported = [k for k in ("topk_sample_logprobs",) if body.get(k)]
         if unsupported:
             raise UserError(f"sampling options {unsupported} are not supported by this server",
                             hint="see docs/tinker.md for the sampling options tinkerless implements")
-        vision = self.worker.vision if getattr(self.worker, "vision", None) is not None else None
+        vision = worker.vision if getattr(worker, "vision", None) is not None else None
         prompt, images = convert.model_input_with_images(convert.options(body, "prompt"),
                                                          vision.processor if vision is not None else None)
         if not prompt:
@@ -86,12 +91,12 @@ class SamplingCalls:
         if not 1 <= num_samples <= 1024:
             raise UserError(f"num_samples={num_samples} is out of range (1-1024)")
         params = convert.options(body, "sampling_params")
-        sampling, stop_strings = convert.sampling_params(params, self.worker)
+        sampling, stop_strings = convert.sampling_params(params, worker)
         self.limits.check_sample(samples=num_samples, max_tokens=sampling.max_tokens, prompt_tokens=len(prompt))
         seed = params.get("seed")
         seed = int(seed) if seed is not None else secrets.randbelow(2**31)
-        validate(SampleRequest("base", [prompt], num_samples, sampling, seed), vocab_size=self.worker.vocab_size)
-        scoring = PromptScoring.parse(body, len(prompt), self.worker.vocab_size)
+        validate(SampleRequest("base", [prompt], num_samples, sampling, seed), vocab_size=worker.vocab_size)
+        scoring = PromptScoring.parse(body, len(prompt), worker.vocab_size)
         if images and scoring.needed:
             raise UserError("prompt log-probs of a prompt with images are not supported yet",
                             hint="sample without prompt_logprobs, or send the prompt without images")
@@ -109,16 +114,21 @@ class SamplingCalls:
                     generations = vision.sampler.generate([VisionPrompt(prompt, images)] * num_samples, sampling,
                                                           policy=policy, seed=seed)
                 else:
-                    generations = self.worker.engine.generate([prompt] * num_samples, sampling, policy=policy, seed=seed)
-                scores = scoring.compute(self.worker, policy, prompt, sampling.temperature, seed) if scoring.needed else None
+                    generations = worker.engine.generate([prompt] * num_samples, sampling, policy=policy, seed=seed)
+                scores = scoring.compute(worker, policy, prompt, sampling.temperature, seed) if scoring.needed else None
             finally:
                 self._slots_in_use[policy] -= 1
                 if not self._slots_in_use[policy]:
                     del self._slots_in_use[policy]
-            sequences = [convert.apply_stop_strings(g, stop_strings, self.worker.tokenizer) for g in generations]
+            sequences = [convert.apply_stop_strings(g, stop_strings, worker.tokenizer) for g in generations]
             return Proto(convert.sample_response(sequences, scores))
 
         return self.submit(tenant, run, sample_sequence_ids=ids)
+
+    def _worker_for(self, sampler: Sampler) -> tuple[object, str | None]:
+        """(the worker a sampler samples on, the extra model's id or None for the main model)."""
+        found = self.extra_workers.get(sampler.base_model) if sampler.model_path is None and sampler.live is None else None
+        return (found[1], found[0]) if found is not None else (self.worker, None)
 
     def _sampling_policy(self, sampler: Sampler) -> str:
         """The worker policy that holds this sampler's weights, loading a snapshot if needed (scheduler thread)."""

@@ -42,7 +42,7 @@ class TinkerService(TrainingCalls, SamplingCalls):
 
     def __init__(
         self, worker, scheduler: Scheduler, registry: CheckpointRegistry, *, aliases: set[str],
-        limits: ServingLimits | None = None,
+        limits: ServingLimits | None = None, extras: dict | None = None,
     ):
         self.worker = worker
         self.scheduler = scheduler
@@ -52,6 +52,9 @@ class TinkerService(TrainingCalls, SamplingCalls):
         # Clients see the Hub id (their tokenizer loads from it); the short aliases are accepted too.
         self.base_model = public_model_id(worker.model_name)
         self.aliases = aliases | model_aliases(worker.model_name)
+        # The server's extra base models (`served_models`): a sampling client's base model, never a training one.
+        self.extra_workers = {name: (public_model_id(spec), extra) for spec, extra in (extras or {}).items()
+                              for name in model_aliases(spec)}
         self.limits = limits or ServingLimits()
         self._lock = threading.Lock()
         self.sessions: dict[str, dict] = {}
@@ -113,6 +116,9 @@ class TinkerService(TrainingCalls, SamplingCalls):
     # -- training models ------------------------------------------------------------------
 
     def _check_base_model(self, base_model: str | None) -> None:
+        if base_model in self.extra_workers:
+            raise UserError(f"model {base_model!r} is served here for sampling and log-probs only, not training",
+                            hint=f"create a sampling client on it; train on {self.base_model!r} (the server's --model)")
         if base_model is not None and base_model not in self.aliases:
             raise UserError(
                 f"this server serves {self.base_model!r}, not {base_model!r}",
