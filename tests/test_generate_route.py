@@ -177,3 +177,62 @@ def test_verifiers_own_client_drives_the_route(server):
         expected_ids, expected_logprobs = own(worker, prompt, len(result["completion_ids"]), slot)
         assert result["completion_ids"] == expected_ids and result["finish_reason"] in ("stop", "length")
         assert result["completion_logprobs"] == pytest.approx(expected_logprobs, abs=1e-4)
+
+
+def test_model_cards_give_the_longest_prompt_as_vllms_max_model_len(server):
+    """verifiers' training client runs renderers' pre-flight each turn: it reads `max_model_len` off the card whose
+    `id` is the model in GET /v1/models (`client.get("/models")`), and refuses a longer prompt before sending it;
+    verifiers' compaction reads the same field off `models.list()`'s `model_extra`. A card without it turns both
+    off. The value is a boundary the route keeps: a prompt of that many tokens samples, one more is a 400."""
+    url, app, worker = server
+    backend = app.state.openai
+    longest = backend.max_prompt_tokens
+    assert longest == min(1024, worker.base_model.config.max_position_embeddings)  # the fixture's limit, here
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    cards = client.get("/models", cast_to=dict)["data"]
+    names = {card["id"] for card in cards}
+    assert {backend.base_model, "trained@latest"} <= names, names
+    assert all(card["max_model_len"] == longest for card in cards), cards
+    assert all(card.model_extra["max_model_len"] == longest for card in client.models.list().data)
+    for name in ("trained@1", *sorted(backend.base_names)):  # every name the routes take, listed or not
+        assert client.get(f"/models/{name}", cast_to=dict)["max_model_len"] == longest, name
+    fits = verifiers_post(url, body(backend.base_model, [5] * longest, max_tokens=1))
+    assert len(verifiers_read(fits)[0]) == 1
+    over = httpx.post(f"{url}/inference/v1/generate", json=body(backend.base_model, [5] * (longest + 1), max_tokens=1),
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert over.status_code == 400 and over.json()["error"]["param"] == "messages", over.text
+
+
+def test_renderers_preflight_refuses_an_overlong_prompt_before_sending_it(server):
+    """The pre-flight itself (renderers 0.1.12, as verifiers' training client calls it): with the card's cap it
+    raises OverlongPromptError, which verifiers turns into a 400 its compaction recognizes, and sends nothing."""
+    import asyncio
+
+    renderers = pytest.importorskip("renderers")
+    from renderers import OverlongPromptError
+    from renderers.client import _max_prompt_len_cache, generate
+    from renderers.configs import DefaultRendererConfig
+
+    url, app, worker = server
+    backend = app.state.openai
+    renderer = renderers.create_renderer(worker.tokenizer, DefaultRendererConfig())
+    sent = []
+
+    async def call(prompt_ids):
+        http = httpx.AsyncClient(event_hooks={"request": [lambda request: _record(sent, request)]}, timeout=120)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, http_client=http)
+        try:
+            return await generate(client=client, renderer=renderer, messages=[], model=backend.base_model,
+                                  prompt_ids=prompt_ids, sampling_params={"max_tokens": 1, "temperature": 0.0})
+        finally:
+            await client.close()
+
+    _max_prompt_len_cache.clear()  # a process-wide cache keyed by (base_url, model)
+    with pytest.raises(OverlongPromptError):
+        asyncio.run(call([5] * (backend.max_prompt_tokens + 1)))
+    assert [r.url.path for r in sent] == ["/v1/models"]  # the card was read; the prompt was never sent
+    assert len(asyncio.run(call([5] * 8))["completion_ids"]) == 1
+
+
+async def _record(sent: list, request) -> None:
+    sent.append(request)
