@@ -6,13 +6,14 @@ Part 1, the client alone: a two-turn conversation through `verifiers.v1.clients.
 the call verifiers' interception server makes for every model turn. It renders the chat with the model's
 template (`renderers`), posts to `/inference/v1/generate` and reads back token ids and log-probs.
 
-Part 2, whole episodes with verifiers' own loop: an environment defined below the way verifiers' tasksets are
-written (typed `TaskData`, a `Task` whose `@vf.reward` is the rubric, a `Taskset` whose `load()` yields the tasks,
-an `Env` whose `run()` plays the user), loaded by id, served by `Env.serving()` (the interception server) and
-played by `Env.run_slot` with the `null` harness (verifiers' tool-less chat program, prepared with `uv` and run in
-the `subprocess` runtime) and `TrainClient` as the model client. Half the tasks are one turn, half two (the env
-asks a follow-up question, as TextArena's env steps its game). The finished episodes go through the env-server
-wire (msgpack, `WireEpisode`) as prime-rl receives them; then, against every route reply recorded on the way
+Part 2, whole episodes with verifiers' own loop, as prime-rl runs them: an environment defined below the way
+verifiers' tasksets are written (typed `TaskData`, a `Task` whose `@vf.reward` is the rubric, a `Taskset` whose
+`load()` yields the tasks, an `Env` whose `run()` plays the user), served by verifiers' env server (`serve_env`, in
+a process of its own: the env, its interception server, the `null` harness - verifiers' tool-less chat program,
+prepared with `uv` and run in the `subprocess` runtime - and `TrainClient` as the model client) and driven by its
+`EnvClient`, which streams each episode back over the msgpack wire as a `WireEpisode`. Half the tasks are one
+turn, half two (the env asks a follow-up question, as TextArena's env steps its game). The model client reaches
+tinkerless through a recording proxy here, and every episode is checked against the route replies its turns got
 (matched by the `X-Session-ID` header, the trace id):
   - each branch's `token_ids` are the last call's prompt ids plus its sampled ids, and every earlier call's
     prompt plus reply is a prefix of it: the turns' tokens are exactly what tinkerless sampled;
@@ -21,6 +22,7 @@ wire (msgpack, `WireEpisode`) as prime-rl receives them; then, against every rou
     beside the template's rendering of the whole conversation (verifiers extends the previous tokens instead);
   - the assistant messages are the decoded sampled ids, and the rubric's reward equals a recomputation of the
     task's rule on the decoded reply.
+One more task's prompt is longer than the card's `max_model_len`: verifiers must refuse it before sending it.
 
     python scripts/verifiers_check.py BASE_URL MODEL_DIR [NUM_TASKS]   # $TINKERLESS_API_KEY holds the key; 6 tasks
 """
@@ -30,23 +32,25 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
 import random
 import re
 import sys
 from collections import defaultdict
 
-import msgpack
+import aiohttp
 import verifiers.v1 as vf
+from aiohttp import web
 from transformers import AutoTokenizer
-from verifiers.v1.clients import base as client_base
 from verifiers.v1.clients.client import SESSION_ID_HEADER
 from verifiers.v1.clients.train import TrainClient
 from verifiers.v1.dialects.chat import ChatDialect
 from verifiers.v1.episode import WireEpisode
-from verifiers.v1.serve.delta import dump, unpack
-from verifiers.v1.serve.encoding import msgpack_encoder
+from verifiers.v1.serve import EnvClient, env_config_data, serve_env
 
-TASKSET_ID = "tinkerless_sums"  # the module name verifiers' loader imports (registered in sys.modules below)
+TASKSET_ID = "tinkerless_sums"  # the module name verifiers' loader imports this taskset by
+# Registered at import, so that the env server's spawned process (which imports this script) finds it too.
+sys.modules.setdefault(TASKSET_ID, sys.modules[__name__])
 
 
 # --- the environment, as a verifiers taskset package would define it -----------------------------------------
@@ -82,6 +86,8 @@ class SumsTask(vf.Task[SumsData]):
 class SumsConfig(vf.TasksetConfig):
     num_tasks: int = 4
     seed: int = 0
+    overlong_words: int = 0
+    """When set, one more task whose question follows that many words: a prompt over the model's context."""
 
 
 class SumsTaskset(vf.Taskset[SumsTask, SumsConfig]):
@@ -91,6 +97,9 @@ class SumsTaskset(vf.Taskset[SumsTask, SumsConfig]):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
             yield SumsTask(SumsData(name=f"sum#{i}", prompt=f"What is {a} + {b}? Answer with the number only.",
                                     answer=a + b, follow_up=rng.randint(1, 9) if i % 2 else None), self.config.task)
+        if self.config.overlong_words:
+            yield SumsTask(SumsData(name="overlong", prompt="word " * self.config.overlong_words + "What is 1 + 1?",
+                                    answer=2), self.config.task)
 
 
 class SumsEnvConfig(vf.EnvConfig):
@@ -116,24 +125,29 @@ __all__ = ["SumsEnv", "SumsTaskset"]
 ROUTE_CALLS: dict[str | None, list[tuple[dict, dict]]] = defaultdict(list)
 
 
-def record_route_replies() -> None:
-    """Every client verifiers builds records each `/inference/v1/generate` request and reply, by session id (an
-    httpx response hook: it reads, it changes nothing)."""
-    build = client_base.build_async_httpx
+async def recording_proxy(upstream: str) -> tuple[web.AppRunner, str]:
+    """A loopback proxy to `upstream` that keeps each `/inference/v1/generate` request and reply, by session id:
+    what the route answered, seen outside verifiers. Returns the runner and the proxy's `/v1` base URL."""
+    session = aiohttp.ClientSession()
 
-    def recording(config):
-        client = build(config)
+    async def forward(request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        async with session.request(request.method, upstream + request.rel_url.path_qs, data=body,
+                                   headers=headers) as reply:
+            data = await reply.read()
+            if request.path == "/inference/v1/generate" and reply.status == 200:
+                ROUTE_CALLS[request.headers.get(SESSION_ID_HEADER)].append((json.loads(body), json.loads(data)))
+            return web.Response(body=data, status=reply.status, content_type=reply.content_type)
 
-        async def record(response) -> None:
-            if response.request.url.path.endswith("/inference/v1/generate"):
-                await response.aread()
-                ROUTE_CALLS[response.request.headers.get(SESSION_ID_HEADER)].append(
-                    (json.loads(response.request.content), response.json()))
-
-        client.event_hooks = {"request": [], "response": [record]}
-        return client
-
-    client_base.build_async_httpx = recording
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_route("*", "/{path:.*}", forward)
+    app.on_cleanup.append(lambda _: session.close())
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
 
 
 # --- part 1: the client alone -----------------------------------------------------------------------------------
@@ -162,23 +176,32 @@ def template_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 # --- part 2: whole episodes -------------------------------------------------------------------------------------
 
-async def play_episodes(client_config: vf.TrainClientConfig, served: str, num_tasks: int) -> list[WireEpisode]:
-    sys.modules.setdefault(TASKSET_ID, sys.modules[__name__])  # verifiers' loader imports tasksets by module name
+async def play_episodes(client_config: vf.TrainClientConfig, served: str, num_tasks: int,
+                        overlong_words: int) -> list[WireEpisode]:
     config = vf.resolve_env_config({
-        "taskset": {"id": TASKSET_ID, "num_tasks": num_tasks},
+        "taskset": {"id": TASKSET_ID, "num_tasks": num_tasks, "overlong_words": overlong_words},
         "agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}, "max_turns": 4},
     })
-    env = vf.load_environment(config)
-    assert isinstance(env, SumsEnv), type(env)
-    ctx = vf.ModelContext(model=served, client=client_config,
-                          sampling=vf.SamplingConfig(max_tokens=24, temperature=0.7, seed=1234))
-    at_once = asyncio.Semaphore(2)  # two episodes (two harness processes) at a time on a small machine
-    async with env.serving():
-        slots = [slot for task in env.taskset for slot in env.slots(task)]
-        episodes = await asyncio.gather(*(env.run_slot(slot, ctx, semaphore=at_once) for slot in slots))
-    # What prime-rl's trainer gets: the episode over the env server's msgpack wire, read back as a WireEpisode.
-    wire = [msgpack.packb(dump(e), default=msgpack_encoder, use_bin_type=True) for e in episodes]
-    return [WireEpisode.model_validate(unpack(data)) for data in wire]
+    assert vf.environment_class(TASKSET_ID) is SumsEnv
+    # verifiers' env server in a process of its own, as prime-rl starts it; two episodes at a time on a small box.
+    spawn = multiprocessing.get_context("spawn")
+    addresses = spawn.Queue()
+    server = spawn.Process(target=serve_env, daemon=True, kwargs={
+        "max_workers": 1, "address": "tcp://127.0.0.1:0", "address_queue": addresses,
+        "config_data": env_config_data(config), "max_concurrent": 2})
+    server.start()
+    client = EnvClient(await asyncio.to_thread(addresses.get, True, 180))
+    sampling = vf.SamplingConfig(max_tokens=24, temperature=0.7, seed=1234)
+    try:
+        tasks = list(vf.load_taskset(config.taskset))
+        return await asyncio.gather(*(client.run(client_config, served, sampling, task.data.model_dump(mode="json"))
+                                      for task in tasks))
+    finally:
+        await client.close()
+        server.terminate()  # SIGTERM: the server tears its env down (interception, harness processes)
+        await asyncio.to_thread(server.join, 30)
+        if server.is_alive():
+            server.kill()
 
 
 def check_trace(trace, tokenizer) -> dict:
@@ -186,6 +209,8 @@ def check_trace(trace, tokenizer) -> dict:
     data = trace.task.data
     assert trace.ok, f"{data.name}: the episode failed: {[e.message for e in trace.errors]}"
     calls = ROUTE_CALLS.get(trace.id, [])
+    if data.name == "overlong":
+        return check_overlong(trace, calls)
     assistant = [n for n in trace.nodes if n.sampled]
     assert calls and len(calls) == len(assistant) == trace.num_turns, (data.name, len(calls), len(assistant))
     branches = trace.branches
@@ -229,9 +254,20 @@ def check_trace(trace, tokenizer) -> dict:
             "trained": sum(mask), "tokens": len(ids)}
 
 
+def check_overlong(trace, calls: list) -> dict:
+    """A prompt over the card's max_model_len: verifiers' training client refuses it before sending (renderers'
+    pre-flight), the call records the overflow in words its compaction recognizes, and the rubric scores 0."""
+    errors = [call.error.message for call in trace.calls if call.error is not None]
+    assert not calls, f"an overlong prompt reached the route: {len(calls)} calls"
+    assert errors and "maximum context length" in errors[0], (errors, trace.errors)
+    reward = trace.rewards["correct"]
+    assert reward is not None and reward.score == 0.0, reward
+    return {"task": "overlong", "turns": 0, "refused": errors[0], "reward": 0.0}
+
+
 async def main(base_url: str, model_dir: str, num_tasks: int) -> None:
-    record_route_replies()
-    client_config = vf.TrainClientConfig(base_url=base_url, api_key_var="TINKERLESS_API_KEY",
+    proxy, proxy_url = await recording_proxy(base_url.rstrip("/").removesuffix("/v1"))
+    client_config = vf.TrainClientConfig(base_url=proxy_url, api_key_var="TINKERLESS_API_KEY",
                                          renderer_model_name=model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     client = TrainClient(client_config)
@@ -246,15 +282,22 @@ async def main(base_url: str, model_dir: str, num_tasks: int) -> None:
         await client_turns(client, served, tokenizer)
     finally:
         await client.close()
-    print(f"part 2: {num_tasks} episodes of {TASKSET_ID} (null harness, subprocess runtime, TrainClient)")
-    episodes = await play_episodes(client_config, served, num_tasks)
+    print(f"part 2: {num_tasks} episodes of {TASKSET_ID}, and one over the context, through verifiers' env server "
+          f"(null harness, subprocess runtime, TrainClient)")
+    try:
+        episodes = await play_episodes(client_config, served, num_tasks, overlong_words=longest + 100)
+    finally:
+        await proxy.cleanup()
     rows = [check_trace(trace, tokenizer) for episode in episodes for trace in episode.traces]
-    assert len(rows) == num_tasks, f"{len(rows)} traces for {num_tasks} tasks"
+    assert len(rows) == num_tasks + 1, f"{len(rows)} traces for {num_tasks + 1} tasks"
+    overlong = next(row for row in rows if row["task"] == "overlong")
+    rows.remove(overlong)
     for row in rows:
         later = "" if row["turns"] == 1 else f", turn-2 prompt == template of the conversation: {row['template_later']}"
         print(f"  {row['task']}: {row['turns']} turn(s), prompt ids {row['prompt']}, sampled {row['sampled']} "
               f"{row['finish']}, {row['trained']}/{row['tokens']} tokens trained; reply {row['reply']!r} "
               f"(expected {row['expected']}) reward {row['reward']}{later}")
+    print(f"  overlong ({longest + 100} words): refused before sending, {overlong['refused']!r}, reward 0.0")
     print(f"verifiers episodes: ok ({len(rows)} traces: tokens, masks and log-probs are the route's, "
           f"rewards by the rubric, mean reward {sum(r['reward'] for r in rows) / len(rows):.2f})")
 
