@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes over any `CompletionBackend`: /v1/models, /v1/chat/completions, /v1/completions.
 
-    GET  /v1/models                 the models the caller may name
+    GET  /v1/models                 the models the caller may name (cards with vLLM's max_model_len)
     GET  /v1/models/{model}         one of them
     POST /v1/chat/completions       messages (+ tools) through the model's chat template; `tool_calls` parsed
     POST /v1/completions            raw text or token-id prompts
