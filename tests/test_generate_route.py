@@ -45,11 +45,12 @@ def server(tiny_model, tmp_path_factory):
         yield url, app, worker
 
 
-def verifiers_post(url: str, body: dict, key: str = KEY) -> dict:
+def verifiers_post(url: str, body: dict, key: str = KEY, headers: dict | None = None) -> dict:
     """As renderers' generate posts it: the openai client's `post` to the root route (not under /v1)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
     base = str(client.base_url).rstrip("/").removesuffix("/v1")
-    response = client.post(f"{base}/inference/v1/generate", cast_to=httpx.Response, body=body)
+    options = {"headers": headers} if headers else {}
+    response = client.post(f"{base}/inference/v1/generate", cast_to=httpx.Response, body=body, options=options)
     return response.json()
 
 
@@ -114,6 +115,31 @@ def test_checkpoints_answer_and_differ_from_the_base(server):
     sampled = [verifiers_read(verifiers_post(url, body("trained@1", prompt, temperature=1.0, seed=s, ignore_eos=True)))
                for s in (1, 1, 2)]
     assert sampled[0] == sampled[1] and sampled[0][0] != sampled[2][0]  # seeded
+
+
+def test_a_next_turn_as_verifiers_renderer_bridge_sends_it(server):
+    """verifiers' training client does not re-render a conversation's next turn: its renderer bridge sends the
+    previous prompt, the ids the route sampled, then the new messages' tokens, with `routed_experts_prompt_start`
+    (the previous path's length - 1) in sampling_params and the trace id in X-Session-ID. The route takes that
+    prompt as it is, whether the first reply stopped or was cut at max_tokens, and samples from it as from any."""
+    url, app, worker = server
+    model = app.state.openai.base_model
+    tokenizer = worker.tokenizer
+    tail = tokenizer("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n",
+                     add_special_tokens=False)["input_ids"]
+    first_prompt = render_chat(tokenizer, [{"role": "user", "content": "Say something."}])
+    for ignore_eos in (True, False):  # a reply cut at max_tokens, and one the model may end itself
+        first = verifiers_post(url, body(model, first_prompt, max_tokens=6, ignore_eos=ignore_eos),
+                               headers={"X-Session-ID": "trace-1"})
+        sampled = verifiers_read(first)[0]
+        second_prompt = first_prompt + sampled + tail[int(bool(sampled) and sampled[-1] == tail[0]):]
+        second = verifiers_post(url, body(model, second_prompt, max_tokens=5, ignore_eos=True,
+                                          routed_experts_prompt_start=len(first_prompt) + len(sampled) - 1, seed=7),
+                                headers={"X-Session-ID": "trace-1"})
+        ids, logprobs, finish = verifiers_read(second)
+        assert second["prompt_token_ids"] == second_prompt and finish == "length"
+        expected_ids, expected_logprobs = own(worker, second_prompt, 5)
+        assert ids == expected_ids and logprobs == pytest.approx(expected_logprobs, abs=1e-4)
 
 
 @pytest.mark.parametrize("change, status, code", [
