@@ -145,9 +145,8 @@ async def recording_proxy(upstream: str) -> tuple[web.AppRunner, str]:
     app.on_cleanup.append(lambda _: session.close())
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
 
 
 # --- part 1: the client alone -----------------------------------------------------------------------------------
@@ -288,6 +287,8 @@ async def main(base_url: str, model_dir: str, num_tasks: int) -> None:
         episodes = await play_episodes(client_config, served, num_tasks, overlong_words=longest + 100)
     finally:
         await proxy.cleanup()
+    failed = [(e.task.data.name, [error.message for error in e.errors]) for e in episodes if not e.ok]
+    assert not failed, f"episodes failed: {failed}"
     rows = [check_trace(trace, tokenizer) for episode in episodes for trace in episode.traces]
     assert len(rows) == num_tasks + 1, f"{len(rows)} traces for {num_tasks + 1} tasks"
     overlong = next(row for row in rows if row["task"] == "overlong")
