@@ -45,11 +45,12 @@ def server(tiny_model, tmp_path_factory):
         yield url, app, worker
 
 
-def verifiers_post(url: str, body: dict, key: str = KEY) -> dict:
+def verifiers_post(url: str, body: dict, key: str = KEY, headers: dict | None = None) -> dict:
     """As renderers' generate posts it: the openai client's `post` to the root route (not under /v1)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
     base = str(client.base_url).rstrip("/").removesuffix("/v1")
-    response = client.post(f"{base}/inference/v1/generate", cast_to=httpx.Response, body=body)
+    options = {"headers": headers} if headers else {}
+    response = client.post(f"{base}/inference/v1/generate", cast_to=httpx.Response, body=body, options=options)
     return response.json()
 
 
@@ -116,6 +117,31 @@ def test_checkpoints_answer_and_differ_from_the_base(server):
     assert sampled[0] == sampled[1] and sampled[0][0] != sampled[2][0]  # seeded
 
 
+def test_a_next_turn_as_verifiers_renderer_bridge_sends_it(server):
+    """verifiers' training client does not re-render a conversation's next turn: its renderer bridge sends the
+    previous prompt, the ids the route sampled, then the new messages' tokens, with `routed_experts_prompt_start`
+    (the previous path's length - 1) in sampling_params and the trace id in X-Session-ID. The route takes that
+    prompt as it is, whether the first reply stopped or was cut at max_tokens, and samples from it as from any."""
+    url, app, worker = server
+    model = app.state.openai.base_model
+    tokenizer = worker.tokenizer
+    tail = tokenizer("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n",
+                     add_special_tokens=False)["input_ids"]
+    first_prompt = render_chat(tokenizer, [{"role": "user", "content": "Say something."}])
+    for ignore_eos in (True, False):  # a reply cut at max_tokens, and one the model may end itself
+        first = verifiers_post(url, body(model, first_prompt, max_tokens=6, ignore_eos=ignore_eos),
+                               headers={"X-Session-ID": "trace-1"})
+        sampled = verifiers_read(first)[0]
+        second_prompt = first_prompt + sampled + tail[int(bool(sampled) and sampled[-1] == tail[0]):]
+        second = verifiers_post(url, body(model, second_prompt, max_tokens=5, ignore_eos=True,
+                                          routed_experts_prompt_start=len(first_prompt) + len(sampled) - 1, seed=7),
+                                headers={"X-Session-ID": "trace-1"})
+        ids, logprobs, finish = verifiers_read(second)
+        assert second["prompt_token_ids"] == second_prompt and finish == "length"
+        expected_ids, expected_logprobs = own(worker, second_prompt, 5)
+        assert ids == expected_ids and logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+
+
 @pytest.mark.parametrize("change, status, code", [
     ({"sampling_params": {"top_k": 5}}, 400, "unsupported_parameter"),
     ({"sampling_params": {"min_p": 0.0, "top_k": -1, "repetition_penalty": 1.0}}, 200, None),  # no-op values
@@ -177,3 +203,62 @@ def test_verifiers_own_client_drives_the_route(server):
         expected_ids, expected_logprobs = own(worker, prompt, len(result["completion_ids"]), slot)
         assert result["completion_ids"] == expected_ids and result["finish_reason"] in ("stop", "length")
         assert result["completion_logprobs"] == pytest.approx(expected_logprobs, abs=1e-4)
+
+
+def test_model_cards_give_the_longest_prompt_as_vllms_max_model_len(server):
+    """verifiers' training client runs renderers' pre-flight each turn: it reads `max_model_len` off the card whose
+    `id` is the model in GET /v1/models (`client.get("/models")`), and refuses a longer prompt before sending it;
+    verifiers' compaction reads the same field off `models.list()`'s `model_extra`. A card without it turns both
+    off. The value is a boundary the route keeps: a prompt of that many tokens samples, one more is a 400."""
+    url, app, worker = server
+    backend = app.state.openai
+    longest = backend.max_prompt_tokens
+    assert longest == min(1024, worker.base_model.config.max_position_embeddings)  # the fixture's limit, here
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    cards = client.get("/models", cast_to=dict)["data"]
+    names = {card["id"] for card in cards}
+    assert {backend.base_model, "trained@latest"} <= names, names
+    assert all(card["max_model_len"] == longest for card in cards), cards
+    assert all(card.model_extra["max_model_len"] == longest for card in client.models.list().data)
+    for name in ("trained@1", *sorted(backend.base_names)):  # every name the routes take, listed or not
+        assert client.get(f"/models/{name}", cast_to=dict)["max_model_len"] == longest, name
+    fits = verifiers_post(url, body(backend.base_model, [5] * longest, max_tokens=1))
+    assert len(verifiers_read(fits)[0]) == 1
+    over = httpx.post(f"{url}/inference/v1/generate", json=body(backend.base_model, [5] * (longest + 1), max_tokens=1),
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert over.status_code == 400 and over.json()["error"]["param"] == "messages", over.text
+
+
+def test_renderers_preflight_refuses_an_overlong_prompt_before_sending_it(server):
+    """The pre-flight itself (renderers 0.1.12, as verifiers' training client calls it): with the card's cap it
+    raises OverlongPromptError, which verifiers turns into a 400 its compaction recognizes, and sends nothing."""
+    import asyncio
+
+    renderers = pytest.importorskip("renderers")
+    from renderers import OverlongPromptError
+    from renderers.client import _max_prompt_len_cache, generate
+    from renderers.configs import DefaultRendererConfig
+
+    url, app, worker = server
+    backend = app.state.openai
+    renderer = renderers.create_renderer(worker.tokenizer, DefaultRendererConfig())
+    sent = []
+
+    async def call(prompt_ids):
+        http = httpx.AsyncClient(event_hooks={"request": [lambda request: _record(sent, request)]}, timeout=120)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, http_client=http)
+        try:
+            return await generate(client=client, renderer=renderer, messages=[], model=backend.base_model,
+                                  prompt_ids=prompt_ids, sampling_params={"max_tokens": 1, "temperature": 0.0})
+        finally:
+            await client.close()
+
+    _max_prompt_len_cache.clear()  # a process-wide cache keyed by (base_url, model)
+    with pytest.raises(OverlongPromptError):
+        asyncio.run(call([5] * (backend.max_prompt_tokens + 1)))
+    assert [r.url.path for r in sent] == ["/v1/models"]  # the card was read; the prompt was never sent
+    assert len(asyncio.run(call([5] * 8))["completion_ids"]) == 1
+
+
+async def _record(sent: list, request) -> None:
+    sent.append(request)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes over any `CompletionBackend`: /v1/models, /v1/chat/completions, /v1/completions.
 
-    GET  /v1/models                 the models the caller may name
+    GET  /v1/models                 the models the caller may name (cards with vLLM's max_model_len)
     GET  /v1/models/{model}         one of them
     POST /v1/chat/completions       messages (+ tools) through the model's chat template; `tool_calls` parsed
     POST /v1/completions            raw text or token-id prompts
@@ -111,7 +111,7 @@ def openai_router(
             names = await asyncio.to_thread(backend.models, who)
         except Exception as exc:  # noqa: BLE001 - every failure answers an OpenAI error body
             return error_response(exc)
-        return JSONResponse({"object": "list", "data": [_model_card(name) for name in names]})
+        return JSONResponse({"object": "list", "data": [_model_card(name, backend) for name in names]})
 
     @router.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> Response:
@@ -128,7 +128,7 @@ def openai_router(
                 await asyncio.to_thread(resolve, who, model)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        return JSONResponse(_model_card(model))
+        return JSONResponse(_model_card(model, backend))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -264,8 +264,16 @@ def _characters(messages: Any) -> int:
     return total
 
 
-def _model_card(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "tinkerless"}
+def _model_card(name: str, backend: CompletionBackend) -> dict:
+    """OpenAI's model card, with vLLM's `max_model_len` where the backend knows its longest prompt: harness clients
+    read it to refuse an overlong prompt before sending it (renderers' pre-flight, the one verifiers' training
+    client runs each turn) and to size context compaction; without it both are silently off. The longest prompt,
+    not the model's context: a prompt over the server's `max_prompt_tokens` is refused as surely."""
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "tinkerless"}
+    longest_prompt = getattr(backend, "max_prompt_tokens", None)
+    if isinstance(longest_prompt, int):
+        card["max_model_len"] = longest_prompt
+    return card
 
 
 def forced_tool(tool_choice: Any, tools: list[dict]) -> str | None:
