@@ -2,10 +2,12 @@
 
 **The prompt.** The rubric and the output format are the judge's instructions, outside the text being graded.
 What the policy wrote (every message after the task's first reply, env observations included) goes between
-two markers that carry a tag: a hash of that very text, which the text cannot contain (writing it would mean
-writing a text that holds its own hash). On the engine the
-graded text is tokenized with special tokens split into plain characters, so a `<|im_end|>` the policy wrote
-is text, never the end of the judge's message, and no new turn or system message can start inside it.
+two marker lines that carry the call's tag (`fence_tag`): a hash of every text the call grades, drawn once they
+are all written, so no text could hold it (it would have to hold a hash of itself), and drawn again in the
+unlikely case one does. One tag per call puts the opening fence into the prefix a task's questions share. On
+the engine the graded text is tokenized with special tokens split into plain characters, so a `<|im_end|>` the
+policy wrote is text, never the end of the judge's message, and no new turn or system message can start inside
+it.
 
 **The verdict.** On the engine (the policy's own base model on its worker, adapters off) the judge's reply is
 pre-filled up to `Score: ` and the verdict is read from its next-token distribution over the ten digits: the
@@ -19,7 +21,8 @@ marked `judge_unparseable`.
 each completion in its own fence, and asks for each completion's score with all of them in view.
 
 **Cache.** Verdicts are kept by rubric, judge model, mode and a hash of the exact text graded (the task and the
-completion, or the group's completions in order): a repeated completion is scored without a model call.
+completion, or the group's completions in order): a repeated completion is scored without a model call (its
+verdict is the one given under the earlier call's tag).
 
 **Failures.** A judge that times out or fails raises `InfrastructureFailure` (cause `judge_timeout`,
 `judge_failed` or `judge_unparseable`) for the episodes it was grading: they are retried and dropped from
