@@ -73,13 +73,14 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--suffix", default="", help="appended to the result file's name (judge_step-DATE<suffix>.json)")
     parser.add_argument("--sides", default=",".join(SIDES), help="which of code, code+cont, judge to run")
+    parser.add_argument("--first-seed", type=int, default=0, help="round k runs with seed first_seed + k")
     args = parser.parse_args()
     names = args.sides.split(",")
     sides: dict[str, list[dict]] = {side: [] for side in names}
     load: list[float] = []  # the machine's 1-minute load average after each run (2 cores, shared with others)
     for round_ in range(args.rounds):
         for side in names:
-            records = run(args.storage, args.steps, side, seed=round_)
+            records = run(args.storage, args.steps, side, seed=args.first_seed + round_)
             sides[side].extend(records[1:])  # the first step is warm-up
             load.append(round(os.getloadavg()[0], 2))
             print(side, [round(r["step_s"], 2) for r in records], "load", load[-1], flush=True)
