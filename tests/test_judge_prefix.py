@@ -54,7 +54,7 @@ def plain(worker, prompts: list[list[int]]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("mode", ["pointwise", "group"])
-@pytest.mark.parametrize("pack_tokens", [16, 256, 100_000])  # a pack per task, a few tasks, the whole call
+@pytest.mark.parametrize("pack_tokens", [16, 256, 100_000])  # task parts cached, rows packed; mixed; all packed
 def test_the_shared_prefix_judge_equals_a_plain_forward_of_each_full_prompt(worker, monkeypatch, mode, pack_tokens):
     monkeypatch.setattr(judge_engine, "PACK_TOKENS", pack_tokens)
     monkeypatch.setattr(worker, "judge_root", None, raising=False)

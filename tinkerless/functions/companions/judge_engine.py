@@ -120,19 +120,21 @@ def next_token_logprobs(worker: Any, prompts: list[list[int]]) -> np.ndarray:
     out: dict[int, np.ndarray] = {}
     with torch.no_grad(), worker._activate(BASE_POLICY):
         root = _root_cache(worker, prompts[0][:shared])
-        segments = []
+        segments, large = [], []
         for batch in _batches([prompts[n] for n in order], shared, len(prompts)):
             rows = [order[n] for n in batch]
             common = _common_prefix([prompts[n] for n in rows])
-            segments.append((prompts[rows[0]][shared:common], [(n, prompts[n][common:]) for n in rows]))
+            segment = (prompts[rows[0]][shared:common], [(n, prompts[n][common:]) for n in rows])
+            (large if _size(segment) > PACK_TOKENS else segments).append(segment)
         for pack in _packs(segments):
-            ids, positions, mask, lasts = _packed_inputs(pack, shared, worker)
-            logits = worker.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=root,
-                                  use_cache=True, logits_to_keep=torch.as_tensor(list(lasts.values()),
-                                                                                 device=worker.device)).logits
-            root.crop(shared - root.get_seq_length())  # back to the common beginning for the next pack
-            for k, n in enumerate(lasts):
-                out[n] = torch.log_softmax(logits[0, k].float(), dim=-1).cpu().numpy()
+            _run_pack(worker, pack, root, shared, out)
+        for part, rows in large:  # too large to pack whole (a packed forward's attention grows with its square):
+            if part:  # its task part cached once,
+                worker.model(input_ids=torch.as_tensor(part, dtype=torch.long, device=worker.device)[None],
+                             past_key_values=root, use_cache=True, logits_to_keep=1)
+            for pack in _packs([([], [row]) for row in rows]):  # its rows packed on top
+                _run_pack(worker, pack, root, shared + len(part), out)
+            _cut(root, shared)
     return np.stack([out[n] for n in range(len(prompts))])
 
 
@@ -154,7 +156,7 @@ def _root_cache(worker: Any, tokens: list[int]) -> Any:
     cache = DynamicCache()
     if reuse:
         cache = copy.deepcopy(kept[2])
-        cache.crop(reuse - cache.get_seq_length())
+        _cut(cache, reuse)
     if len(tokens) > reuse:
         ids = torch.as_tensor(tokens[reuse:], dtype=torch.long, device=worker.device)[None]
         worker.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -163,12 +165,37 @@ def _root_cache(worker: Any, tokens: list[int]) -> Any:
     return cache
 
 
+def _run_pack(worker: Any, pack: list, cache: Any, cached: int, out: dict[int, np.ndarray]) -> None:
+    """One packed forward on top of `cache` (holding `cached` tokens, as it does again after): each prompt's
+    next-token log-probs into `out`."""
+    import torch
+
+    ids, positions, mask, lasts = _packed_inputs(pack, cached, worker)
+    keep = torch.as_tensor(list(lasts.values()), device=worker.device)
+    logits = worker.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                          use_cache=True, logits_to_keep=keep).logits
+    _cut(cache, cached)
+    for k, n in enumerate(lasts):
+        out[n] = torch.log_softmax(logits[0, k].float(), dim=-1).cpu().numpy()
+
+
+def _cut(cache: Any, length: int) -> None:
+    """`cache` back to its first `length` tokens."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _size(segment: tuple[list[int], list[tuple[int, list[int]]]]) -> int:
+    return len(segment[0]) + sum(len(rest) for _, rest in segment[1])
+
+
 def _packs(segments: list[tuple[list[int], list[tuple[int, list[int]]]]]) -> list[list]:
     """Consecutive segments in forwards of at most PACK_TOKENS query tokens (a larger segment alone)."""
     packs: list[list] = []
     size = 0
     for segment in segments:
-        tokens = len(segment[0]) + sum(len(rest) for _, rest in segment[1])
+        tokens = _size(segment)
         if packs and size + tokens <= PACK_TOKENS:
             packs[-1].append(segment)
             size += tokens
