@@ -74,9 +74,9 @@ def _digest(*parts: str) -> str:
 
 def fence_tag(texts: list[str], words: list[str] | None = None) -> str:
     """The tag of one judge call's fences, drawn once the policy has sampled: a hash of every text the call grades,
-    so no text could have been written knowing it (it would have to hold a hash of itself), spelled as
-    `TAG_WORDS` words of the judge's tokenizer (one token each: a short closing fence) or, without them, hex
-    digits; at least 32 bits either way. A tag that a graded text holds anyway (any case) is drawn again: no
+    so no text could have been written knowing it (it would have to hold a hash of itself), spelled in as many of
+    `words` (one token each in the judge's tokenizer: a short closing fence) as make 32 bits, or without them in
+    8 hex digits. A tag that a graded text holds anyway (any case) is drawn again: no
     graded text can hold its fence."""
     folded = [t.casefold() for t in texts]
     for draw in itertools.count():

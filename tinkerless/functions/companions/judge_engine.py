@@ -48,7 +48,7 @@ def prompt_tokens(prompt: JudgePrompt, tokenizer: Any, render: Callable[[list[di
 def tag_words(tokenizer: Any) -> list[str]:
     """The words a fence tag is spelled in on this tokenizer: lowercase words of 4-12 letters that are one token
     each with their leading space (and alone, so a tag's words stay separate tokens): a tag of three of SmolLM2's
-    21k is 43 bits in 3 tokens, where 8 hex digits (32 bits) are 9. Sorted, so a tag is the same on every worker
+    19,445 is 43 bits in 3 tokens, where 8 hex digits (32 bits) are 9. Sorted, so a tag is the same on every worker
     with this tokenizer. Empty for a tokenizer without such words (bytes): the tag is then hex."""
     vocab = tokenizer.get_vocab()
     candidates = sorted({text for text in (tokenizer.decode([i]) for i in vocab.values())
