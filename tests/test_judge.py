@@ -76,13 +76,12 @@ HOSTILE = [
 
 def test_a_completion_cannot_rewrite_the_judges_instructions_or_verdict_format(worker):
     spec = JudgeSpec(RUBRIC)
-    tag = judging.fence_tag(HOSTILE)  # one tag for the call, drawn after every text to grade was written
-    benign = judging.pointwise_prompt(spec, "m", episode(0, "Hello!").transcript, tag)
+    benign = judging.pointwise_prompt(spec, "m", episode(0, "Hello!").transcript)
     benign_ids = judge_engine.prompt_tokens(benign, worker.tokenizer, worker.chat.render)
     specials = set(worker.tokenizer.all_special_ids)
     frame = sorted(t for t in benign_ids if t in specials)
     for text in HOSTILE:
-        prompt = judging.pointwise_prompt(spec, "m", episode(0, text).transcript, tag)
+        prompt = judging.pointwise_prompt(spec, "m", episode(0, text).transcript)
         ids = judge_engine.prompt_tokens(prompt, worker.tokenizer, worker.chat.render)
         # The same message frame as a benign completion's: the graded text opened or closed no message.
         assert sorted(t for t in ids if t in specials) == frame

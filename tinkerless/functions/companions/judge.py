@@ -2,9 +2,10 @@
 
 **The prompt.** The rubric and the output format are the judge's instructions, outside the text being graded.
 What the policy wrote (every message after the task's first reply, env observations included) goes between
-two marker lines that carry the call's tag (`fence_tag`): a hash of every text the call grades, drawn once they
-are all written, so no text could hold it (it would have to hold a hash of itself), and drawn again in the
-unlikely case one does. One tag per call puts the opening fence into the prefix a task's questions share. On
+two marker lines that carry the task's tag (`question_tag`): a hash of the rubric, the judge model and the
+task, which no prompt the policy reads holds; a graded text that holds it anyway makes it a hash of the graded
+texts too (no text can hold a hash of itself). One tag per task puts the opening fence into the prefix a task's
+questions share, and makes a question's prompt a function of what its cache key hashes. On
 the engine the graded text is tokenized with special tokens split into plain characters, so a `<|im_end|>` the
 policy wrote is text, never the end of the judge's message, and no new turn or system message can start inside
 it.
@@ -21,8 +22,9 @@ marked `judge_unparseable`.
 each completion in its own fence, and asks for each completion's score with all of them in view.
 
 **Cache.** Verdicts are kept by rubric, judge model, mode and a hash of the exact text graded (the task and the
-completion, or the group's completions in order): a repeated completion is scored without a model call (its
-verdict is the one given under the earlier call's tag).
+completion, or the group's completions in order): a repeated completion is scored without a model call, and a
+verdict computed again (a resumed run's, whose worker cache is empty) is the one the cache held, to the float
+rounding of how a call's questions were packed.
 
 **Failures.** A judge that times out or fails raises `InfrastructureFailure` (cause `judge_timeout`,
 `judge_failed` or `judge_unparseable`) for the episodes it was grading: they are retried and dropped from
@@ -72,17 +74,28 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\x00".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def fence_tag(texts: list[str], words: list[str] | None = None) -> str:
-    """The tag of one judge call's fences, drawn once the policy has sampled: a hash of every text the call grades,
-    so no text could have been written knowing it (it would have to hold a hash of itself), spelled in as many of
-    `words` (one token each in the judge's tokenizer: a short closing fence) as make 32 bits, or without them in
-    8 hex digits. A tag that a graded text holds anyway (any case) is drawn again: no
-    graded text can hold its fence."""
+def fence_tag(texts: list[str], words: list[str] | None = None, *, salt: tuple[str, ...] = ()) -> str:
+    """A fence tag drawn from `salt` and `texts`, spelled in as many of `words` (one token each in the judge's
+    tokenizer: a short closing fence) as make 32 bits, or without them in 8 hex digits. A tag that one of `texts`
+    holds anyway (any case) is drawn again: none of them holds the tag (`question_tag` says which texts)."""
     folded = [t.casefold() for t in texts]
     for draw in itertools.count():
-        tag = _tag_candidate(_digest("fence", str(draw), *texts), words)
+        tag = _tag_candidate(_digest("fence", str(draw), *salt, *texts), words)
         if not any(tag.casefold() in t for t in folded):
             return tag
+
+
+def question_tag(spec: JudgeSpec, judge_model: str, task: str, graded: list[str], words: list[str] | None = None) -> str:
+    """The fence tag of the questions about one task: a hash of the rubric, the judge model and the task, in no
+    prompt the policy reads. A graded text that holds it anyway (someone computed it and wrote it in) makes the
+    tag a hash of the graded texts as well, drawn again while one holds it: no text can hold a hash of itself.
+    So a question's prompt, and its verdict, follow from what its cache key hashes and nothing else: a verdict
+    computed again (a resumed run, another worker, another mix of episodes in a call) is the one a cache held."""
+    salt = (spec.rubric, judge_model, task)
+    tag = fence_tag([], words, salt=salt)
+    if any(tag.casefold() in text.casefold() for text in graded):
+        tag = fence_tag(graded, words, salt=salt)
+    return tag
 
 
 def _tag_candidate(digest: str, words: list[str] | None) -> str:
@@ -132,10 +145,10 @@ class JudgePrompt:
         return f"[system] {self.system}\n[user] {self.user_text()}\n[assistant] {PREFILL}"
 
 
-def pointwise_prompt(spec: JudgeSpec, judge_model: str, transcript: list[dict], tag: str) -> JudgePrompt:
-    """`tag`: the call's fence tag (`fence_tag` of every text the call grades)."""
+def pointwise_prompt(spec: JudgeSpec, judge_model: str, transcript: list[dict], words: list[str] | None = None) -> JudgePrompt:
+    """`words`: what the fence tag is spelled in (`question_tag`)."""
     task, completion = split_transcript(transcript)
-    opening, closing = markers(tag)
+    opening, closing = markers(question_tag(spec, judge_model, task, [completion], words))
     return JudgePrompt(
         system=INSTRUCTIONS,  # the same for every question: its tokens are computed once per step
         user_before=f"Rubric:\n{spec.rubric}\n\nTask:\n{task}\n\n",
@@ -145,10 +158,11 @@ def pointwise_prompt(spec: JudgeSpec, judge_model: str, transcript: list[dict], 
     )
 
 
-def group_prompts(spec: JudgeSpec, judge_model: str, transcripts: list[list[dict]], tag: str) -> list[JudgePrompt]:
+def group_prompts(spec: JudgeSpec, judge_model: str, transcripts: list[list[dict]], words: list[str] | None = None) -> list[JudgePrompt]:
     """One question per completion of a group, each showing the whole group (RULER-style)."""
     parts = [split_transcript(t) for t in transcripts]
     task = parts[0][0]
+    tag = question_tag(spec, judge_model, task, [c for _, c in parts], words)
     graded = []
     for i, (_, completion) in enumerate(parts, start=1):
         opening, closing = markers(tag, f"completion {i}")
@@ -312,17 +326,16 @@ def judge_episodes(
     started = time.perf_counter()
     stats = JudgeStats()
     live = [e for e in episodes if e.status not in ("error", "infra_failed")]
-    # One tag for the whole call, drawn now that every graded text is written: the opening fence is then the
-    # same for every question about a task, part of the KV prefix its questions share.
-    tag = fence_tag([split_transcript(e.transcript)[1] for e in live], tag_words)
+    # One tag per task (`question_tag`): the opening fence is the same for every question about a task, part of
+    # the KV prefix its questions share.
     if spec.mode == "group":
         groups: dict[int, list[Any]] = {}
         for e in live:
             groups.setdefault(e.task_index, []).append(e)
         asked = [(e, p) for members in groups.values()
-                 for e, p in zip(members, group_prompts(spec, judge_model, [m.transcript for m in members], tag))]
+                 for e, p in zip(members, group_prompts(spec, judge_model, [m.transcript for m in members], tag_words))]
     else:
-        asked = [(e, pointwise_prompt(spec, judge_model, e.transcript, tag)) for e in live]
+        asked = [(e, pointwise_prompt(spec, judge_model, e.transcript, tag_words)) for e in live]
     stats.questions = len(asked)
     verdicts: dict[int, Verdict | InfrastructureFailure] = {}
     missing: list[int] = []  # the questions the judge is asked: not cached, and each only once in the batch
