@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -54,6 +55,16 @@ def run(storage: str, steps: int, side: str, seed: int) -> list[dict]:
     return result.metrics
 
 
+def _per_round(sides: dict[str, list[dict]], top: str, bottom: str, per_run: int) -> list[float]:
+    """Each round's median step of `top` ÷ that of `bottom` (the rounds ran alternated: the same load)."""
+    if top not in sides or bottom not in sides:
+        return []
+    rounds = len(sides[top]) // per_run
+    return [round(statistics.median(r["step_s"] for r in sides[top][k * per_run:(k + 1) * per_run])
+                  / statistics.median(r["step_s"] for r in sides[bottom][k * per_run:(k + 1) * per_run]), 3)
+            for k in range(rounds)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -62,14 +73,17 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--suffix", default="", help="appended to the result file's name (judge_step-DATE<suffix>.json)")
     parser.add_argument("--sides", default=",".join(SIDES), help="which of code, code+cont, judge to run")
+    parser.add_argument("--first-seed", type=int, default=0, help="round k runs with seed first_seed + k")
     args = parser.parse_args()
     names = args.sides.split(",")
     sides: dict[str, list[dict]] = {side: [] for side in names}
+    load: list[float] = []  # the machine's 1-minute load average after each run (2 cores, shared with others)
     for round_ in range(args.rounds):
         for side in names:
-            records = run(args.storage, args.steps, side, seed=round_)
+            records = run(args.storage, args.steps, side, seed=args.first_seed + round_)
             sides[side].extend(records[1:])  # the first step is warm-up
-            print(side, [round(r["step_s"], 2) for r in records], flush=True)
+            load.append(round(os.getloadavg()[0], 2))
+            print(side, [round(r["step_s"], 2) for r in records], "load", load[-1], flush=True)
 
     def median(side: str, key: str) -> float:
         return statistics.median(r[key] for r in sides[side])
@@ -99,6 +113,9 @@ def main() -> None:
         "reward_mean_code": statistics.mean(r["reward_mean"] for r in sides["code"]),
         "reward_mean_judged": statistics.mean(r["reward_mean"] for r in judged),
         "step_s": {side: [round(r["step_s"], 3) for r in sides[side]] for side in sides},
+        "ratio_judge_to_code_cont_per_round": _per_round(sides, "judge", "code+cont", args.steps - 1),
+        "ratio_judge_to_code_per_round": _per_round(sides, "judge", "code", args.steps - 1),
+        "load_1min_after_each_run": load,
     }
     path = Path(args.out) / f"judge_step-{result['date']}{args.suffix}.json"
     path.write_text(json.dumps(result, indent=1))
