@@ -50,4 +50,16 @@ $PIP install --quiet --no-deps "gem-llm==0.1.0"
 # The tinker SDK's own CLI is a test client (tests/test_tinker_rest.py); it needs a newer click than
 # skypilot allows in .venv, so it runs from .venv-tinker-cli (~1 MB: click only, .venv's packages otherwise).
 bash scripts/tinker_cli_venv.sh .venv/bin/python
+# TextArena's word games (docs/environment-libraries.md) read NLTK's `words` corpus and three of them its
+# part-of-speech tagger. No package registry ships them: where NLTK's data server can be reached they go into the
+# venv (share/nltk_data is on NLTK's search path) and the games run offline from then on; where it cannot (a
+# machine that reaches package registries only), the games are refused with the reason. Either way, quickly.
+if ! .venv/bin/python -c "import nltk; [nltk.data.find(r) for r in ('corpora/words', 'taggers/averaged_perceptron_tagger_eng')]" 2>/dev/null; then
+  timeout 120 .venv/bin/python -m nltk.downloader -q -d .venv/share/nltk_data words averaged_perceptron_tagger_eng >/dev/null 2>&1 || true
+  if .venv/bin/python -c "import nltk; nltk.data.find('corpora/words')" 2>/dev/null; then
+    echo "NLTK's word list and tagger installed: TextArena's word games run offline"
+  else
+    echo "NLTK's data server is not reachable from here: TextArena's word games stay refused (docs/environment-libraries.md)"
+  fi
+fi
 echo "tinkerless installed in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

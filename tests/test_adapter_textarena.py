@@ -119,6 +119,31 @@ def test_games_that_cannot_run_here_are_refused_with_the_reason(game_id, reason)
         tinkerless.envs.textarena(game_id)
 
 
+def test_word_games_run_once_their_nltk_data_is_found_and_name_what_is_missing_otherwise(tmp_path, monkeypatch):
+    """What install.sh fetches where NLTK's data server is reachable, laid out as NLTK lays it out (a few words
+    here): Hangman, which reads the word list only, is admitted and plays; Wordle, which also needs the tagger, is
+    refused naming the tagger."""
+    import nltk
+
+    words = tmp_path / "nltk_data" / "corpora" / "words"
+    words.mkdir(parents=True)
+    for name in ("en", "en-basic"):
+        (words / name).write_text("apple\nbread\nchair\nhouse\nriver\n")
+    (words / "README").write_text("a test word list\n")
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "nltk_data")])
+    Hangman = tinkerless.envs.textarena("Hangman-v0")
+    game = Hangman()
+    assert isinstance(game.reset(seed=3), str)
+    target = game.game.state.game_state["target_word"]
+    assert target in {"apple", "bread", "chair", "house", "river"}  # drawn from the word list found
+    for letter in dict.fromkeys(target):  # guessing its letters wins: the game ran on that data
+        result = game.step(f"[{letter}]")
+    assert result.done and result.reward == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match="averaged_perceptron_tagger_eng") as caught:
+        tinkerless.envs.textarena("Wordle-v0")
+    assert "install.sh" in caught.value.hint
+
+
 # --- through the rollout loop, on the tiny model ------------------------------------------------------------
 
 

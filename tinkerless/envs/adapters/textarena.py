@@ -40,11 +40,12 @@ from tinkerless.errors import ConfigError, EnvError
 
 # Games that need a hosted LLM (an OpenRouter key and the network) for a juror or game master.
 NEEDS_NETWORK = {"Debate", "ScenarioPlanning", "TwentyQuestions", "GuessWho"}
-# Word games and the NLTK data they read at reset.
+# Word games and the NLTK data they read (`scripts/install.sh` fetches it where NLTK's data server is reachable).
+TAGGER = "taggers/averaged_perceptron_tagger_eng"  # the part-of-speech tagger three of them filter words with
 NEEDS_NLTK = {
-    "Codenames": ["corpora/words"], "DontSayIt": ["corpora/words"], "Hangman": ["corpora/words"],
+    "Codenames": ["corpora/words", TAGGER], "DontSayIt": ["corpora/words", TAGGER], "Hangman": ["corpora/words"],
     "LetterAuction": ["corpora/words"], "SpellingBee": ["corpora/words"], "WordChains": ["corpora/words"],
-    "WordLadder": ["corpora/words"], "WordSearch": ["corpora/words"], "Wordle": ["corpora/words"],
+    "WordLadder": ["corpora/words"], "WordSearch": ["corpora/words"], "Wordle": ["corpora/words", TAGGER],
 }
 PLAYER_COUNTS = (2, 1, 3, 4, 5, 6)  # tried in this order when the game's count is not given
 BRACKETED = re.compile(r"\[[^\[\]\n]{1,40}\]")
@@ -316,9 +317,10 @@ def _refuse_unrunnable(base_id: str, spec: Any) -> None:
                 nltk.data.find(resource)
             except LookupError:
                 raise ConfigError(
-                    f"TextArena {base_id} needs NLTK's {resource!r} data, which is not installed, and no PyPI package "
-                    "ships it, so the project's install cannot bring it offline",
-                    hint=f"where the network reaches NLTK's data server: python -m nltk.downloader {resource.split('/')[-1]}",
+                    f"TextArena {base_id} needs NLTK's {resource!r} data, which is not installed: no package registry "
+                    "ships it, and scripts/install.sh could not reach NLTK's data server to fetch it",
+                    hint="where the network reaches it, run scripts/install.sh again (or python -m nltk.downloader "
+                    f"{' '.join(r.split('/')[-1] for r in NEEDS_NLTK[game])})",
                 ) from None
     try:
         module, _ = str(spec.entry_point).split(":")
