@@ -304,6 +304,36 @@ def test_topk_forward_kl_with_k_64_is_the_kl_of_the_teachers_top_k_by_hand(setup
                                distill_loss="topk_forward_kl").validate()
 
 
+def test_a_top_k_forward_reads_the_tokens_log_probs_from_its_own_pass(worker):
+    """A teacher's forward with topk runs the decoder once: the tokens' log-probs it returns equal a plain
+    forward's, for sequences of several lengths (one across the head's 256-row chunks) and any k, and each
+    position's top k is sorted, starts at or above the token that follows, and holds it when it ranks within k."""
+    from tinkerless.wire.messages import BASE_POLICY, Datum, ForwardRequest
+
+    rng = np.random.default_rng(0)
+    vocab = worker.model.config.vocab_size
+    data = [Datum(rng.integers(0, vocab, n).astype(np.int32), (rng.random(n) < 0.5).astype(np.float32))
+            for n in (2, 3, 17, 300)]
+    plain = worker.forward(ForwardRequest(BASE_POLICY, data)).logprobs
+    worker.forward(ForwardRequest(BASE_POLICY, data[:1], topk=1))  # the head/decoder split's one-time probe runs here
+    passes = []  # the decoder's passes, counted at its embedding layer
+    hook = worker.model.get_input_embeddings().register_forward_hook(lambda *_: passes.append(1))
+    try:
+        worker.forward(ForwardRequest(BASE_POLICY, data, topk=5))
+    finally:
+        hook.remove()
+    assert len(passes) == len(data), "one pass per sequence, none for a separate log-prob forward"
+    for k in (1, 5, 64):
+        result = worker.forward(ForwardRequest(BASE_POLICY, data, topk=k))
+        for datum, mine, reference, ids, lps in zip(data, result.logprobs, plain, result.topk_ids, result.topk_logprobs):
+            assert mine.shape == reference.shape == (len(datum.tokens),) and mine[0] == 0.0
+            np.testing.assert_allclose(mine, reference, atol=2e-5)
+            assert ids.shape == lps.shape == (len(datum.tokens), k)
+            assert np.all(np.diff(lps[1:], axis=1) <= 0) and np.all(lps[1:, 0] >= mine[1:] - 2e-5)
+            within = mine[1:] > lps[1:, -1] + 1e-4  # clearly inside the top k: its id is among them
+            assert all(datum.tokens[t + 1] in ids[t + 1] for t in np.nonzero(within)[0])
+
+
 def _full_logprobs(model: str, storage: Path, tokens: np.ndarray) -> torch.Tensor:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

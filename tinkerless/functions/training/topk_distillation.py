@@ -1,7 +1,8 @@
 """Top-k forward-KL distillation: a teacher's k most likely next tokens at each position, and the student's loss
 against them.
 
-    teacher_topk     the teacher's top-k ids and log-probs at every position of each datum (a forward, no grad)
+    teacher_topk     the teacher's top-k ids and log-probs at every position of each datum, and its log-prob of
+                     each datum's own next token, from one pass of the decoder (no grad)
     topk_backward    the `topk_forward_kl` loss, per trained (sampled) position t:
 
         KL_k(p_T || p_S)_t = sum_{v in topk_T(t)} q_T(v) * (log q_T(v) - log p_S(v))
@@ -32,9 +33,10 @@ def _next_token_logprobs(model, tokens: np.ndarray, rows: torch.Tensor) -> torch
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _topk_rows(model, tokens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The top k of every position's next-token distribution, the output head run ROW_CHUNK positions at a time
-    over one pass of the decoder (`picked_logits.decoder_and_head`), else a forward per chunk."""
+def _topk_rows(model, tokens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The top k of every position's next-token distribution, and the log-prob of the token that follows (column
+    0: 0, as `training.forward` gives), the output head run ROW_CHUNK positions at a time over one pass of the
+    decoder (`picked_logits.decoder_and_head`), else a forward per chunk."""
     from tinkerless.functions.training.picked_logits import decoder_and_head
 
     n = len(tokens)
@@ -44,6 +46,8 @@ def _topk_rows(model, tokens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
     hidden = split[0](input_ids=input_ids, use_cache=False).last_hidden_state[0] if split is not None else None
     ids = np.zeros((n, k), np.int32)
     lps = np.zeros((n, k), np.float32)
+    picked = np.zeros(n, np.float32)
+    targets = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=device)
     for start in range(1, n, ROW_CHUNK):
         rows = torch.arange(start, min(n, start + ROW_CHUNK))
         if hidden is not None:
@@ -53,18 +57,21 @@ def _topk_rows(model, tokens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
         top = torch.topk(logprobs, k=min(k, logprobs.shape[-1]), dim=-1)
         ids[rows.numpy(), : top.indices.shape[1]] = top.indices.cpu().numpy()
         lps[rows.numpy(), : top.values.shape[1]] = top.values.cpu().numpy()
-    return ids, lps
+        picked[rows.numpy()] = logprobs.gather(1, targets[rows.to(device)][:, None])[:, 0].cpu().numpy()
+    return ids, lps, picked
 
 
-def teacher_topk(model, data: list[Datum], k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per datum: [N, k] ids and log-probs of the teacher's k most likely tokens at each position (row 0 zeros)."""
-    ids_out, lps_out = [], []
+def teacher_topk(model, data: list[Datum], k: int) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per datum: its tokens' log-probs ([N], what `training.forward` returns: a teacher's forward needs no second
+    pass for them), and the [N, k] ids and log-probs of the k most likely tokens at each position (row 0 zeros)."""
+    picked_out, ids_out, lps_out = [], [], []
     with torch.no_grad():
         for datum in data:
-            ids, lps = _topk_rows(model, datum.tokens, k)
+            ids, lps, picked = _topk_rows(model, datum.tokens, k)
+            picked_out.append(picked)
             ids_out.append(ids)
             lps_out.append(lps)
-    return ids_out, lps_out
+    return picked_out, ids_out, lps_out
 
 
 def topk_kl(student: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
