@@ -248,15 +248,19 @@ def _retime(args, changes: dict) -> None:
     first = [l for l in lines if "step" in l][:args.retime_steps]
     row = {"run": original, "time": time.strftime("%H:%M:%S"), "load_before": load_before, "load_after": os.getloadavg(),
            "step_s": [r["step_s"] for r in run.metrics], "original_step_s": [r["step_s"] for r in first],
-           # the same seed draws the same episodes: a replay's rewards equal the original's
-           "same_rewards": [_outcome(r) for r in run.metrics] == [_outcome(r) for r in first]}
+           # the same seed draws the same episodes: a replay's rewards and losses equal the original's (the teacher's
+           # gap to float rounding: its log-probs may come from another pass, e.g. before and after a fix)
+           "same_outcomes": len(run.metrics) == len(first) and all(
+               _same_outcome(a, b) for a, b in zip(run.metrics, first))}
     with Path(args.storage, "retimes.jsonl").open("a") as out:
         out.write(json.dumps(row) + "\n")
     print(json.dumps(row))
 
 
-def _outcome(record: dict) -> tuple:
-    return record.get("reward_mean"), record.get("teacher_logprob_gap")
+def _same_outcome(a: dict, b: dict) -> bool:
+    gaps = a.get("teacher_logprob_gap"), b.get("teacher_logprob_gap")
+    return (a.get("reward_mean"), a.get("loss")) == (b.get("reward_mean"), b.get("loss")) and (
+        gaps[0] == gaps[1] or abs(gaps[0] - gaps[1]) < 1e-4)
 
 
 def _opd_label(result: dict) -> str:
