@@ -334,7 +334,8 @@ class Worker:
             if self.rank_args:
                 raise UserError("topk_forward_kl runs on one process", hint="train it without --gpus")
             with self._activate(request.policy):
-                return ForwardBackwardResult(topk_distillation.topk_backward(self.model, request.data), [])
+                metrics = topk_distillation.topk_backward(self.model, request.data, self.micro_batch_size, self.pad_id)
+                return ForwardBackwardResult(metrics, [])
         with self._activate(request.policy):
             metrics, logprobs = training.forward_backward(
                 self.model, request.data, request.loss, self.pad_id, self.micro_batch_size, **self.rank_args

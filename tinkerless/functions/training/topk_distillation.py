@@ -23,6 +23,7 @@ from tinkerless.wire.messages import Datum
 
 
 ROW_CHUNK = 256  # positions whose [V] log-softmax is held at once: a long sequence never holds [T, V]
+BATCHED_ROWS = 1024  # the update's [rows x positions, V] log-softmax held at once, above which it goes row by row
 
 
 def _next_token_logprobs(model, tokens: np.ndarray, rows: torch.Tensor) -> torch.Tensor:
@@ -81,26 +82,46 @@ def topk_kl(student: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: 
     return (q * (log_q - student.gather(-1, teacher_ids))).sum(-1)
 
 
-def topk_backward(model, data: list[Datum]) -> dict[str, float]:
-    """Accumulate the gradient of the batch's mean top-k forward KL over trained positions; its metrics."""
+def topk_backward(model, data: list[Datum], micro_batch_size: int = 16, pad_id: int = 0) -> dict[str, float]:
+    """Accumulate the gradient of the batch's mean top-k forward KL over trained positions; its metrics.
+
+    Sequences of similar length share a right-padded pass (`plan_micro_batches`, at most `micro_batch_size` rows),
+    the output head run only at the positions some row trains (as `forward_backward` does); a micro-batch whose
+    [rows x positions, V] would exceed BATCHED_ROWS goes one sequence at a time. The same loss either way."""
+    from tinkerless.functions.training.forward_backward import make_batch
+    from tinkerless.functions.training.micro_batches import plan_micro_batches
+
     for i, datum in enumerate(data):
         if datum.target_topk_ids is None or datum.target_topk_logprobs is None:
             raise UserError(f"datum {i} has no target_topk_ids / target_topk_logprobs, which topk_forward_kl needs",
                             hint="ask the teacher's forward for topk=k and put its rows on the datum")
     positions = [np.nonzero(np.asarray(d.mask) > 0)[0] for d in data]
     positions = [p[p >= 1] for p in positions]  # position 0 has no prefix
-    total = float(sum(len(p) for p in positions))
+    count = float(sum(len(p) for p in positions))
+    total = max(count, 1.0)
+    device = next(model.parameters()).device
     kl_sum = 0.0
-    for datum, rows in zip(data, positions):
-        if not len(rows):
-            continue
-        index = torch.as_tensor(rows, dtype=torch.long)
-        student = _next_token_logprobs(model, datum.tokens, index)
-        device = student.device
-        ids = torch.as_tensor(np.asarray(datum.target_topk_ids, dtype=np.int64)[rows], device=device)
-        lps = torch.as_tensor(np.asarray(datum.target_topk_logprobs, dtype=np.float32)[rows], device=device)
-        kl = topk_kl(student, ids, lps)
-        (kl.sum() / max(total, 1.0)).backward()
-        kl_sum += float(kl.detach().sum())
-    mean = kl_sum / max(total, 1.0)
-    return {"loss": mean, "topk_kl": mean, "tokens": total}
+    for micro in plan_micro_batches([len(d.tokens) for d in data], micro_batch_size, model):
+        rows = [i for i in micro.rows if len(positions[i])]
+        union = np.unique(np.concatenate([positions[i] for i in rows])) if rows else np.zeros(0, np.int64)
+        chunks = [rows] if len(rows) * len(union) <= BATCHED_ROWS else [[i] for i in rows]
+        for chunk in chunks:
+            if not chunk:
+                continue
+            keep = np.unique(np.concatenate([positions[i] for i in chunk]))
+            batch = make_batch([data[i] for i in chunk], pad_id, device)
+            # No attention mask: right-padded and causal, a real position never sees a pad (`token_logprobs`).
+            logits = model(input_ids=batch.input_ids, logits_to_keep=torch.as_tensor(keep - 1, device=device),
+                           use_cache=False).logits
+            student = torch.log_softmax(logits.float(), dim=-1)  # [rows, len(keep), V]
+            loss = student.new_zeros(())
+            for row, i in enumerate(chunk):
+                rows_i = positions[i]
+                ids = torch.as_tensor(np.asarray(data[i].target_topk_ids, dtype=np.int64)[rows_i], device=device)
+                lps = torch.as_tensor(np.asarray(data[i].target_topk_logprobs, dtype=np.float32)[rows_i], device=device)
+                kl = topk_kl(student[row, torch.as_tensor(np.searchsorted(keep, rows_i), device=device)], ids, lps)
+                loss = loss + kl.sum()
+                kl_sum += float(kl.detach().sum())
+            (loss / total).backward()
+    mean = kl_sum / total
+    return {"loss": mean, "topk_kl": mean, "tokens": count}
