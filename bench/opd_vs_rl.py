@@ -248,8 +248,7 @@ def _retime(args, changes: dict) -> None:
     first = [l for l in lines if "step" in l][:args.retime_steps]
     row = {"run": original, "time": time.strftime("%H:%M:%S"), "load_before": load_before, "load_after": os.getloadavg(),
            "step_s": [r["step_s"] for r in run.metrics], "original_step_s": [r["step_s"] for r in first],
-           # the same seed draws the same episodes: a replay's rewards and losses equal the original's (the teacher's
-           # gap to float rounding: its log-probs may come from another pass, e.g. before and after a fix)
+           # the same seed draws the same episodes: a replay's rewards, losses and teacher gaps equal the original's
            "same_outcomes": len(run.metrics) == len(first) and all(
                _same_outcome(a, b) for a, b in zip(run.metrics, first))}
     with Path(args.storage, "retimes.jsonl").open("a") as out:
@@ -258,9 +257,11 @@ def _retime(args, changes: dict) -> None:
 
 
 def _same_outcome(a: dict, b: dict) -> bool:
-    gaps = a.get("teacher_logprob_gap"), b.get("teacher_logprob_gap")
-    return (a.get("reward_mean"), a.get("loss")) == (b.get("reward_mean"), b.get("loss")) and (
-        gaps[0] == gaps[1] or abs(gaps[0] - gaps[1]) < 1e-4)
+    """The same step to float rounding (the teacher's gap and the loss may come from other passes, e.g. across a
+    fix of how the teacher's forward or the update batches its sequences)."""
+    close = [x == y or (x is not None and y is not None and abs(x - y) < 1e-4)
+             for x, y in ((a.get(key), b.get(key)) for key in ("teacher_logprob_gap", "loss"))]
+    return a.get("reward_mean") == b.get("reward_mean") and all(close)
 
 
 def _opd_label(result: dict) -> str:
