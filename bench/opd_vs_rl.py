@@ -21,7 +21,9 @@ forward of each on the same batch, alternated).
 (the reply must start with the sum): the base model starts its reply with the sum about 3% of the time (14% with
 the instruction; it mostly restates the question, "4 + 5 = 9"), so RL's groups rarely differ for its first steps
 while the teacher's per-token signal is there from step 1. `--job sums3` (three one-digit terms, with the
-instruction) was too hard for RL here: its groups mostly tie at 0 and 48 steps did not move its reward.
+instruction) was too hard for RL here: its groups mostly tie at 0 and 48 steps did not move its reward;
+`--job sums-start` (the same question, the reply must begin with the sum: 0.8% of the base model's) neither
+(40 steps, 24 sequences trained in all).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def make_task_sums3(rng):
     return {"prompt": f"What is {a} + {b} + {c}? Answer with a number.", "answer": a + b + c}
 
 
-# --job: its task function (the reward is the same: the reply must start with the sum).
-JOBS = {"sums": make_task, "sums-plain": make_task_plain, "sums3": make_task_sums3}
+# --job: its task function (the reward: the first number in the reply must be the sum, but for sums-start).
+JOBS = {"sums": make_task, "sums-plain": make_task_plain, "sums3": make_task_sums3, "sums-start": make_task_plain}
 
 
 @tinkerless.reward
@@ -65,6 +67,17 @@ def arithmetic_reward(completion: str, task: dict) -> float:
     if not numbers or int(numbers[0]) != task["answer"]:
         return 0.0
     return 1.0 + (0.5 if completion.strip().rstrip(".") == str(task["answer"]) else 0.0)
+
+
+@tinkerless.reward
+def starts_with_sum_reward(completion: str, task: dict) -> float:
+    """sums-start: the reply must begin with the sum ("13", "13 is ..."; not "The answer is 13" nor "9 + 4 = 13")."""
+    if not re.match(rf"\s*{task['answer']}(?!\d)", completion):
+        return 0.0
+    return 1.0 + (0.5 if completion.strip().rstrip(".") == str(task["answer"]) else 0.0)
+
+
+JOB_REWARDS = {"sums-start": starts_with_sum_reward}
 
 
 def held_out(job: str = "sums", count: int = 32) -> list[dict]:
@@ -77,7 +90,7 @@ def held_out(job: str = "sums", count: int = 32) -> list[dict]:
 
 def config(storage: str, job: str = "sums", **changes):
     base = tinkerless.TrainConfig(
-        name="bench", model="smollm2", reward=arithmetic_reward, tasks=JOBS[job], steps=20, batch_size=8, group_size=4,
+        name="bench", model="smollm2", reward=JOB_REWARDS.get(job, arithmetic_reward), tasks=JOBS[job], steps=20, batch_size=8, group_size=4,
         max_tokens=12, temperature=0.7, learning_rate=5e-4, lora_rank=16, checkpoint_every=1, keep_checkpoints=None,
         storage=storage, progress=False, transcripts_per_step=0,
     )
@@ -153,7 +166,8 @@ def main() -> None:
     parser.add_argument("--suffix", default="", help="appended to the result file's name")
     parser.add_argument("--no-forward-costs", action="store_true", help="skip the teacher/student forward timing")
     parser.add_argument("--job", choices=sorted(JOBS), default="sums",
-                        help="sums: two one-digit terms; sums-plain: the same without 'Answer with a number.'; sums3: three terms")
+                        help="sums: two one-digit terms; sums-plain: the same without 'Answer with a number.'; sums3: three "
+                             "terms; sums-start: sums-plain, the reply beginning with the sum")
     parser.add_argument("--heldout-tasks", type=int, default=32, help="held-out tasks, each played twice")
     parser.add_argument("--rl-only", action="store_true", help="train the RL run (the teacher) and stop")
     parser.add_argument("--rl-resume", action="store_true", help="continue the RL run in --storage to --rl-steps")
