@@ -279,9 +279,9 @@ def _same_outcome(a: dict, b: dict) -> bool:
 
 
 def _opd_label(result: dict) -> str:
-    loss = result.get("opd_loss", "reverse_kl")
+    loss = result.get("opd_loss", "reverse_kl").replace("reverse_kl", "reverse KL").replace("topk_forward_kl", "top-k KL")
     lr = result.get("opd_learning_rate")
-    return (f"OPD{'' if loss == 'reverse_kl' else ' ' + loss}, {result['opd_batch_size']} x {result['opd_group_size']}"
+    return (f"OPD {loss}, {result['opd_batch_size']} x {result['opd_group_size']}"
             f"{'' if lr in (None, 5e-4) else f', lr {lr:g}'}")
 
 
