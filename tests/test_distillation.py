@@ -304,6 +304,93 @@ def test_topk_forward_kl_with_k_64_is_the_kl_of_the_teachers_top_k_by_hand(setup
                                distill_loss="topk_forward_kl").validate()
 
 
+def test_a_top_k_forward_reads_the_tokens_log_probs_from_its_own_pass(worker):
+    """A teacher's forward with topk runs the decoder once: the tokens' log-probs it returns equal a plain
+    forward's, for sequences of several lengths (one across the head's 256-row chunks) and any k, and each
+    position's top k is sorted, starts at or above the token that follows, and holds it when it ranks within k."""
+    from tinkerless.wire.messages import BASE_POLICY, Datum, ForwardRequest
+
+    rng = np.random.default_rng(0)
+    vocab = worker.model.config.vocab_size
+    data = [Datum(rng.integers(0, vocab, n).astype(np.int32), (rng.random(n) < 0.5).astype(np.float32))
+            for n in (2, 3, 17, 300)]
+    plain = worker.forward(ForwardRequest(BASE_POLICY, data)).logprobs
+    worker.forward(ForwardRequest(BASE_POLICY, data[:1], topk=1))  # the head/decoder split's one-time probe runs here
+    passes = []  # the decoder's passes, counted at its embedding layer
+    hook = worker.model.get_input_embeddings().register_forward_hook(lambda *_: passes.append(1))
+    try:
+        worker.forward(ForwardRequest(BASE_POLICY, data, topk=5))
+    finally:
+        hook.remove()
+    assert len(passes) == len(data), "one pass per sequence, none for a separate log-prob forward"
+    for k in (1, 5, 64):
+        result = worker.forward(ForwardRequest(BASE_POLICY, data, topk=k))
+        for datum, mine, reference, ids, lps in zip(data, result.logprobs, plain, result.topk_ids, result.topk_logprobs):
+            assert mine.shape == reference.shape == (len(datum.tokens),) and mine[0] == 0.0
+            np.testing.assert_allclose(mine, reference, atol=2e-5)
+            assert ids.shape == lps.shape == (len(datum.tokens), k)
+            assert np.all(np.diff(lps[1:], axis=1) <= 0) and np.all(lps[1:, 0] >= mine[1:] - 2e-5)
+            within = mine[1:] > lps[1:, -1] + 1e-4  # clearly inside the top k: its id is among them
+            assert all(datum.tokens[t + 1] in ids[t + 1] for t in np.nonzero(within)[0])
+
+
+def test_the_top_k_update_batches_sequences_with_the_loss_and_gradient_of_one_at_a_time(tiny_model, monkeypatch):
+    """topk_forward_kl's update runs sequences of similar length in one padded pass: its loss equals the KL summed
+    by hand from each sequence's own unpadded forward, and its gradient the one-sequence-at-a-time update's, for
+    sequences of several lengths (one with no trained position, one trained from position 0)."""
+    from tinkerless.functions.training import topk_distillation
+    from tinkerless.functions.worker import Worker
+    from tinkerless.wire.messages import CreatePolicyRequest, Datum
+
+    worker = Worker(tiny_model)
+    worker.create_policy(CreatePolicyRequest("topk-batched"))
+    policy = worker._policy("topk-batched")
+    torch.manual_seed(0)
+    for param in policy.params:  # away from LoRA's zero init, so that every adapter matrix has a gradient
+        param.data.normal_(0, 0.05)
+    rng = np.random.default_rng(1)
+    vocab, k = worker.model.config.vocab_size, 8
+    data = []
+    for n, trained in ((3, [0, 1, 2]), (9, [4, 5, 6, 7, 8]), (10, []), (12, [2, 3, 11]), (40, list(range(20, 40)))):
+        mask = np.zeros(n, np.float32)
+        mask[trained] = 1.0
+        ids = np.stack([rng.choice(vocab, k, replace=False) for _ in range(n)]).astype(np.int32)
+        lps = np.sort(torch.log_softmax(torch.as_tensor(rng.normal(0, 2, (n, k))), -1).numpy(), axis=1)[:, ::-1]
+        data.append(Datum(rng.integers(0, vocab, n).astype(np.int32), mask, target_topk_ids=ids,
+                          target_topk_logprobs=np.ascontiguousarray(lps, dtype=np.float32)))
+
+    def update(micro_batch_size):
+        for param in policy.params:
+            param.grad = None
+        with worker._activate("topk-batched"):
+            metrics = topk_distillation.topk_backward(worker.model, data, micro_batch_size, worker.pad_id)
+        return metrics, [param.grad.clone() for param in policy.params]
+
+    batched, batched_grads = update(16)
+    single, single_grads = update(1)
+    monkeypatch.setattr(topk_distillation, "BATCHED_ROWS", 0)  # a batch too wide: one sequence at a time
+    fallback, fallback_grads = update(16)
+    by_hand, count = 0.0, 0
+    with torch.no_grad(), worker._activate("topk-batched"):
+        for datum in data:
+            rows = [int(t) for t in np.nonzero(datum.mask)[0] if t >= 1]
+            if not rows:
+                continue
+            logits = worker.model(input_ids=torch.as_tensor(datum.tokens, dtype=torch.long)[None]).logits[0]
+            student = torch.log_softmax(logits.double(), -1)[torch.as_tensor(rows, dtype=torch.long) - 1]
+            teacher = torch.as_tensor(datum.target_topk_logprobs[rows], dtype=torch.float64)
+            by_hand += float(topk_distillation.topk_kl(student, torch.as_tensor(datum.target_topk_ids[rows],
+                                                                                dtype=torch.long), teacher).sum())
+            count += len(rows)
+    assert batched["tokens"] == single["tokens"] == count == 2 + 5 + 3 + 20
+    for metrics in (batched, single, fallback):
+        assert metrics["loss"] == pytest.approx(by_hand / count, rel=1e-5)
+    assert any(float(g.abs().sum()) > 0 for g in batched_grads)
+    for grads in (single_grads, fallback_grads):
+        for mine, reference in zip(batched_grads, grads):
+            torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-6)
+
+
 def _full_logprobs(model: str, storage: Path, tokens: np.ndarray) -> torch.Tensor:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -315,8 +315,12 @@ class Worker:
     # ---- forward / update ------------------------------------------------------
     def forward(self, request: ForwardRequest) -> ForwardResult:
         with self._activate(request.policy):
-            logprobs = training.forward(self.model, request.data, self.pad_id, self.micro_batch_size, **self.rank_args)
-            topk = topk_distillation.teacher_topk(self.model, request.data, request.topk) if request.topk else (None, None)
+            if request.topk and not self.rank_args and not any(d.images for d in request.data):
+                # a teacher's top k: one pass gives the tokens' log-probs and the top-k rows alike
+                logprobs, *topk = topk_distillation.teacher_topk(self.model, request.data, request.topk)
+            else:
+                logprobs = training.forward(self.model, request.data, self.pad_id, self.micro_batch_size, **self.rank_args)
+                topk = topk_distillation.teacher_topk(self.model, request.data, request.topk)[1:] if request.topk else (None, None)
         ref = None
         if request.with_reference:
             with self._activate(BASE_POLICY):
@@ -330,7 +334,8 @@ class Worker:
             if self.rank_args:
                 raise UserError("topk_forward_kl runs on one process", hint="train it without --gpus")
             with self._activate(request.policy):
-                return ForwardBackwardResult(topk_distillation.topk_backward(self.model, request.data), [])
+                metrics = topk_distillation.topk_backward(self.model, request.data, self.micro_batch_size, self.pad_id)
+                return ForwardBackwardResult(metrics, [])
         with self._activate(request.policy):
             metrics, logprobs = training.forward_backward(
                 self.model, request.data, request.loss, self.pad_id, self.micro_batch_size, **self.rank_args
