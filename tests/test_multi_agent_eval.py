@@ -84,3 +84,40 @@ def test_eval_seatings_are_checked_before_the_model_loads(tiny_model, tmp_path):
         tinkerless.TrainConfig(model=tiny_model, reward=lambda p, c, t: 0.0, tasks=[{"prompt": "x"}],
                                eval_agents={"a": "p"}).validate()
     _gomoku(tiny_model, tmp_path, eval_agents=None).validate()  # default: the run's own seating
+
+
+def test_evaluate_a_multi_agent_checkpoint_replays_the_runs_own_held_out_games(tiny_model, tmp_path, capsys):
+    """`evaluate()` of a checkpoint plays the eval seatings with the checkpoint's policies: the same games and
+    columns as the run's own eval at that step (same tasks, samples and seed); the base model and an adapter too."""
+    from tinkerless.sdk.evaluation.games import GamesReport
+
+    config = _gomoku(tiny_model, tmp_path, steps=3, eval_every=2, checkpoint_every=1, keep_checkpoints=None,
+                     learning_rate=5e-2, run_id="ma")
+    result = tinkerless.train(config)
+    at_step_2 = _lines(result)[2]
+    report = tinkerless.evaluate(config, checkpoint="ma@2", samples=config.group_size, seed=config.seed)
+    assert isinstance(report, GamesReport) and report.step == 2
+    columns = {k: v for k, v in report.columns.items() if k != "eval_s"}
+    assert columns == {k: at_step_2[k] for k in columns}  # the run's own eval at step 2, column for column
+    assert "p: win" in report.describe() and report.to_dict()["step"] == 2
+    base = tinkerless.evaluate(config, checkpoint="base", samples=config.group_size, seed=config.seed)
+    assert {k: v for k, v in base.columns.items() if k != "eval_s"} == {k: _lines(result)[0][k] for k in columns}
+    adapter = result.run_dir / "checkpoints" / "step-2" / "policies" / "p" / "adapter"
+    from_dir = tinkerless.evaluate(config, adapter=str(adapter), samples=config.group_size, seed=config.seed)
+
+    def tokens(r):
+        return [e.tokens.tolist() for e in r.played if e.info["policy"] == "p"]
+    # A random tiny model loses every game the same way, so the run never trained (tied groups): its checkpoint's
+    # adapter and the base play the same tokens. An adapter with weights of its own plays others.
+    assert len(tokens(report)) == 8 and tokens(from_dir) == tokens(report) == tokens(base)
+    from safetensors.torch import load_file, save_file
+
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "adapter_config.json").write_bytes((adapter / "adapter_config.json").read_bytes())
+    weights = load_file(adapter / "adapter_model.safetensors")
+    save_file({k: v + 0.5 if "lora_B" in k else v for k, v in weights.items()}, moved / "adapter_model.safetensors")
+    other = tinkerless.evaluate(config, adapter=str(moved), samples=config.group_size, seed=config.seed)
+    assert tokens(other) != tokens(base) and other.columns["eval_episodes"] == 8
+    with pytest.raises(ConfigError, match="single-agent"):
+        tinkerless.evaluate(config, checkpoint="ma@2", pass_threshold=0.5)

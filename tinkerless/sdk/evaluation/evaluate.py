@@ -17,7 +17,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tinkerless.envs.base import is_multi_agent
 from tinkerless.errors import ConfigError, DatasetError, StorageNotFound, TinkerlessError, UserError
@@ -35,6 +35,9 @@ from tinkerless.wire import pack_code
 from tinkerless.wire.validate import MAX_SEED
 from tinkerless.wire.messages import BASE_POLICY, Episode, EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
 from tinkerless.wire.runs import CheckpointPolicy
+
+if TYPE_CHECKING:
+    from tinkerless.sdk.evaluation.games import GamesReport
 
 # Episodes per rollout call: a `tinkerless serve` server refuses more by default (ServingLimits.max_rollouts),
 # and a training step's rollout is held to the same limit. A larger eval is played in several calls.
@@ -235,19 +238,15 @@ def evaluate(
     seed: int = 12345,
     pass_threshold: float | None = None,
     transcripts: str | Path | None = None,
-) -> EvalReport:
+) -> "EvalReport | GamesReport":
     """Evaluate a checkpoint (`checkpoint="run@step"`, `"run@latest"`, `"base"`; or `run_id`/`step`), a PEFT
     `adapter` directory, or the base model on the env's own episodes, with no training.
 
     Each of the eval tasks (`eval_tasks`) is played `samples` times (default: config.group_size);
     `episodes=N` is the older form: N tasks, one sample each. With `transcripts`, every episode goes to
-    that JSON-lines file (format: `tinkerless.sdk.run.transcripts`, plus whether it `passed`)."""
-    if config.env is not None and is_multi_agent(config.env):
-        raise ConfigError(
-            f"`tinkerless eval` runs single-agent envs; {config.env.__qualname__} is multi-agent",
-            hint="a run measures its win rates against the seats you choose while it trains: eval_every=N with "
-            "eval_agents=tinkerless.versus(role, opponent, ...) (docs/multi-agent.md)",
-        )
+    that JSON-lines file (format: `tinkerless.sdk.run.transcripts`, plus whether it `passed`). A multi-agent env
+    plays its eval seatings instead (`eval_agents`, else `agents`) and returns each policy's win, draw and loss
+    rates in a `games.GamesReport`."""
     ref = _which_checkpoint(checkpoint, run_id, step, adapter)
     check_report_to(config.report_to)  # a tracker that is not installed fails before any model loads
     if episodes is not None:
@@ -259,6 +258,14 @@ def evaluate(
         raise ConfigError(f"samples per task must be a whole number >= 1, got {samples!r}", hint="e.g. --samples 4")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ConfigError(f"seed must be a whole number from 0 to 2**63-1, got {seed!r}", hint="e.g. --seed 12345")
+    if config.env is not None and is_multi_agent(config.env):  # games: win rates per policy (evaluation/games.py)
+        if pass_threshold is not None or transcripts is not None:
+            raise ConfigError("pass thresholds and transcripts are for single-agent evals",
+                              hint="a multi-agent eval reports each policy's win, draw and loss rates")
+        from tinkerless.sdk.evaluation.games import evaluate_games
+
+        return evaluate_games(config, ref=ref, adapter=adapter, tasks=choose_tasks(config, tasks, num_tasks),
+                              samples=samples, seed=seed, source=_source(config, ref, adapter))
     rule = PassRule(pass_threshold)
     if transcripts is not None:  # a bad path fails now, not after every episode was played
         _check_writable(Path(transcripts))
