@@ -73,9 +73,12 @@ def test_multi_agent_env_needs_agents(tmp_path, tiny_model):
         _train(tmp_path, tiny_model, agents={"black": tinkerless.Frozen(), "white": random_opponent})
 
 
-def test_eval_refuses_multi_agent_envs_clearly(tiny_model):
+def test_eval_of_a_multi_agent_env_plays_its_games_and_refuses_single_agent_options(tiny_model, tmp_path):
     from tinkerless.sdk.evaluation.evaluate import evaluate
 
-    config = tinkerless.TrainConfig(model=tiny_model, env=GomokuEnv, tasks=TASKS, agents=tinkerless.self_play(("black", "white")))
-    with pytest.raises(ConfigError, match="multi-agent"):
-        evaluate(config)
+    config = tinkerless.TrainConfig(model=tiny_model, env=GomokuEnv, tasks=TASKS, storage=str(tmp_path),
+                                    agents=tinkerless.self_play(("black", "white")))
+    report = evaluate(config, num_tasks=1, samples=1)  # one game, both seats the policy: two of its episodes
+    assert report.columns["eval_episodes"] == 2 and "policy: win" in report.describe()
+    with pytest.raises(ConfigError, match="single-agent"):
+        evaluate(config, num_tasks=1, samples=1, transcripts=str(tmp_path / "t.jsonl"))
