@@ -457,17 +457,22 @@ def test_agent_functions_whose_openai_calls_carry_images_train_on_them(vlm):
     result = _handle(vlm, "rollout", request)
     assert all(e.status == "ok" and e.num_turns == 2 and not e.extra_sequences for e in result.episodes), \
         [e.traceback for e in result.episodes]
-    image_token = vlm.vision.processor.image_token_id
-    for e in result.episodes:
-        assert len(e.images) == 2 and (e.tokens == image_token).sum() == sum(i.num_tokens for i in e.images)
-        assert (e.mask[e.tokens == image_token] == 0).all() and e.mask.sum() > 0
-    data = [Datum(e.tokens, e.mask, sampler_logprobs=e.sampler_logprobs, advantages=e.mask, images=e.images)
-            for e in result.episodes]
-    assert _gap(_handle(vlm, "forward", ForwardRequest("p1", data)), result.episodes) < 1e-4
+    _check_two_image_episodes(vlm, result.episodes)
     hostile = RolloutRequest("p1", [{"picture": "http://169.254.169.254/x.png"}], 1, SamplingParams(max_tokens=2),
                              EpisodeLimits(max_turns=4), seed=2, agent=pack_code(_looks_and_answers()))
     (failed,) = _handle(vlm, "rollout", hostile).episodes
     assert failed.status == "error" and "400" in failed.error, failed.error
+
+
+def _check_two_image_episodes(worker, episodes) -> None:
+    """Each episode holds its two images' tokens, masked out, and the update's log-probs equal the sampler's."""
+    image_token = worker.vision.processor.image_token_id
+    for e in episodes:
+        assert len(e.images) == 2 and (e.tokens == image_token).sum() == sum(i.num_tokens for i in e.images)
+        assert (e.mask[e.tokens == image_token] == 0).all() and e.mask.sum() > 0
+    data = [Datum(e.tokens, e.mask, sampler_logprobs=e.sampler_logprobs, advantages=e.mask, images=e.images)
+            for e in episodes]
+    assert _gap(_handle(worker, "forward", ForwardRequest("p1", data)), episodes) < 1e-4
 
 
 def test_agents_in_a_tenants_sandbox_send_images_too(tmp_path):
@@ -488,12 +493,6 @@ def test_agents_in_a_tenants_sandbox_send_images_too(tmp_path):
         result = _handle(worker, "rollout", request)
         assert result.stats["agent_generate_calls"] > 0  # the sandboxed path, not the in-process one
         assert all(e.status == "ok" and e.num_turns == 2 for e in result.episodes), [e.error for e in result.episodes]
-        image_token = worker.vision.processor.image_token_id
-        for e in result.episodes:
-            assert len(e.images) == 2 and (e.tokens == image_token).sum() == sum(i.num_tokens for i in e.images)
-            assert (e.mask[e.tokens == image_token] == 0).all() and e.mask.sum() > 0
-        data = [Datum(e.tokens, e.mask, sampler_logprobs=e.sampler_logprobs, advantages=e.mask, images=e.images)
-                for e in result.episodes]
-        assert _gap(_handle(worker, "forward", ForwardRequest("p1", data)), result.episodes) < 1e-4
+        _check_two_image_episodes(worker, result.episodes)
     finally:
         hosts.close()

@@ -20,6 +20,7 @@ from tinkerless.sdk.run.agents import check_roles, seatings, trainable_policies
 from tinkerless.sdk.run.distillation import check_teacher
 from tinkerless.sdk.run.judging import split_reward
 from tinkerless.sdk.tracking.base import check_report_to
+from tinkerless.wire.messages import EpisodeLimits, SamplingParams
 
 # algo -> (advantage estimator, default loss normalization)
 ALGORITHMS = {
@@ -276,6 +277,14 @@ class TrainConfig:
             return self.max_turns
         multi_turn = self.env is not None or self.agent is not None
         return DEFAULT_ENV_MAX_TURNS if multi_turn else DEFAULT_SINGLE_TURN_MAX_TURNS
+
+    def sampling_params(self) -> SamplingParams:
+        """How the run's rollouts (and its evals) sample."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    def episode_limits(self) -> EpisodeLimits:
+        """Where the run's episodes (and its evals') are cut off."""
+        return EpisodeLimits(max_turns=self.turn_limit(), max_episode_tokens=self.max_episode_tokens)
 
     def advantage_config(self) -> AdvantageConfig:
         return AdvantageConfig(estimator=ALGORITHMS[self.algo][0])

@@ -33,7 +33,7 @@ from tinkerless.sdk.run.transcripts import episode_record, write_transcripts
 from tinkerless.sdk.tracking.base import check_report_to, tracker_names
 from tinkerless.wire import pack_code
 from tinkerless.wire.validate import MAX_SEED
-from tinkerless.wire.messages import BASE_POLICY, Episode, EpisodeLimits, PolicyState, RolloutRequest, SamplingParams
+from tinkerless.wire.messages import BASE_POLICY, Episode, PolicyState, RolloutRequest
 from tinkerless.wire.runs import CheckpointPolicy
 
 if TYPE_CHECKING:
@@ -170,8 +170,8 @@ def rollout_request(config: TrainConfig, policy: str, tasks: list[dict], group_s
         policy=policy,
         tasks=tasks,
         group_size=group_size,
-        sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p),
-        limits=EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens),
+        sampling=config.sampling_params(),
+        limits=config.episode_limits(),
         seed=seed,
         env=env,
         reward=reward,
@@ -274,8 +274,7 @@ def evaluate(
     files = adapter_files(adapter) if adapter is not None else None
     if ref is not None and not ref.is_base and config.backend in ("local", "modal"):
         _check_run_in_storage(config, ref)
-    threads = {"threads": config.threads} if config.backend == "local" and config.threads else {}
-    backend = make_backend(config.backend, config.model, engine=config.engine, **threads)
+    backend = eval_backend(config)
     # A policy of this evaluation's own: two evaluations by one tenant on a server never load into the same
     # adapter (with one shared name, the second's load would change the weights under the first's episodes).
     own = f"eval-{secrets.token_hex(6)}"
@@ -300,7 +299,7 @@ def evaluate(
             backend.close()
     report.step = loaded
     if transcripts is not None:
-        limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
+        limits = config.episode_limits()
         records = (
             {**episode_record(e, limits, step=loaded, task=chosen[e.task_index]),
              "passed": rule.passed(e.reward, e.status in ("error", infra_failures.INFRA_FAILED))}
@@ -313,6 +312,19 @@ def evaluate(
         where = adapter or (None if ref is None or ref.is_base else str(ref))
         report_eval(config, report, chosen, checkpoint=where, samples=samples, seed=seed)
     return report
+
+
+def load_adapter_dirs(backend: Backend, adapters: dict[str, str], namespace: str = "") -> None:
+    """Each PEFT adapter directory (path -> the worker policy it plays as) loaded to be played, not trained."""
+    for path, name in adapters.items():
+        TrainingClient(backend, name, create=False, namespace=namespace).load_state(
+            PolicyState(name, adapter_files(path)), include_optimizer=False)
+
+
+def eval_backend(config: TrainConfig) -> Backend:
+    """The backend an evaluation plays on: the config's, with its CPU threads on the local one."""
+    threads = {"threads": config.threads} if config.backend == "local" and config.threads else {}
+    return make_backend(config.backend, config.model, engine=config.engine, **threads)
 
 
 def _which_checkpoint(checkpoint, run_id: str | None, step: int | None, adapter: str | None) -> CheckpointRef | None:

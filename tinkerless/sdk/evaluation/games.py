@@ -24,16 +24,15 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tinkerless.errors import ConfigError, TinkerlessError, UserError
+from tinkerless.errors import ConfigError, UserError
 from tinkerless.sdk.run.agents import every_frozen_adapter, seatings, trainable_policies
 from tinkerless.sdk.run.multi_agent import build_seats
 from tinkerless.sdk.run.step_metrics import agent_metrics
 from tinkerless.wire import pack_code
-from tinkerless.wire.messages import BASE_POLICY, EpisodeLimits, MultiAgentRolloutRequest, PolicyState, SamplingParams
+from tinkerless.wire.messages import BASE_POLICY, MultiAgentRolloutRequest, PolicyState
 
 EVAL_SEED_OFFSET = 7_919  # held-out games draw apart from every training step's seeds (step_seed(seed, step) + index)
 
@@ -55,14 +54,12 @@ def play_games(rollout_multi: Callable[[MultiAgentRolloutRequest], Any], config:
     run_name = {worker: policy for policy, worker in names.items()}
     started = time.perf_counter()
     env = pack_code(config.env, name=getattr(config.env, "__qualname__", None))
-    sampling = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p)
-    limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
     episodes = []
     for index, seats in enumerate(build_seats(eval_seatings(config), frozen)):
         held = {role: dataclasses.replace(seat, trainable=False, policy=names.get(seat.policy, seat.policy))
                 for role, seat in seats.items()}
         result = rollout_multi(MultiAgentRolloutRequest(
-            tasks=tasks, group_size=config.group_size, env=env, seats=held, sampling=sampling, limits=limits,
+            tasks=tasks, group_size=config.group_size, env=env, seats=held, sampling=config.sampling_params(), limits=config.episode_limits(),
             seed=config.seed + EVAL_SEED_OFFSET + index, protocol_timeout=config.protocol_timeout,
         ))
         for episode in result.episodes:
@@ -102,10 +99,9 @@ class GamesReport:
 def evaluate_games(config: Any, *, ref: Any, adapter: str | None, tasks: list[dict], samples: int, seed: int,
                    source: str) -> GamesReport:
     """`evaluate()` for a multi-agent env (module docstring): load what plays, play the eval seatings, free it."""
-    from tinkerless.sdk.backends.base import make_backend
-    from tinkerless.sdk.backends.client import TrainingClient
+    from tinkerless.sdk.backends.client import TrainingClient, free_policies
     from tinkerless.sdk.backends.run_host import run_host_for
-    from tinkerless.sdk.evaluation.evaluate import _check_run_in_storage, adapter_files
+    from tinkerless.sdk.evaluation.evaluate import _check_run_in_storage, adapter_files, eval_backend, load_adapter_dirs
     from tinkerless.sdk.run.checkpointing import CLIENT_STATE_FILE, _policy_prefix
     from tinkerless.wire.runs import CheckpointPolicy
 
@@ -117,8 +113,7 @@ def evaluate_games(config: Any, *, ref: Any, adapter: str | None, tasks: list[di
     if ref is not None and not ref.is_base and config.backend in ("local", "modal"):
         _check_run_in_storage(config, ref)
     frozen = every_frozen_adapter(config.agents, config.eval_agents)
-    threads = {"threads": config.threads} if config.backend == "local" and config.threads else {}
-    backend = make_backend(config.backend, config.model, engine=config.engine, **threads)
+    backend = eval_backend(config)
     # Names of this evaluation's own: two evaluations on one server never load into each other's policies.
     tag = f"eval-{secrets.token_hex(6)}"
     names = {policy: BASE_POLICY for policy in policies}
@@ -140,18 +135,12 @@ def evaluate_games(config: Any, *, ref: Any, adapter: str | None, tasks: list[di
                 raise UserError(f"run {ref.run_id!r} has no valid checkpoint", hint="see `tinkerless runs`")
             step = restored.step
         frozen = {path: f"{tag}-{name}" for path, name in frozen.items()}
-        for path, name in frozen.items():
-            loaded.append(name)
-            TrainingClient(backend, name, create=False).load_state(PolicyState(name, adapter_files(path)),
-                                                                   include_optimizer=False)
+        loaded += frozen.values()
+        load_adapter_dirs(backend, frozen)
         rollout_multi = TrainingClient(backend, BASE_POLICY, create=False).rollout_multi
         columns = play_games(rollout_multi, config.replace(group_size=samples, seed=seed), tasks, policies=policies,
                              frozen=frozen, names=names, played=played)
-    finally:
-        for name in loaded:  # a server keeps what it is not told to free
-            try:
-                TrainingClient(backend, name, create=False).delete()
-            except TinkerlessError as exc:  # cleanup only: the evaluation's own outcome (or error) is what matters
-                warnings.warn(f"could not free this evaluation's policy {name} on the worker: {exc}", stacklevel=2)
+    finally:  # a server keeps what it is not told to free; a failure to free warns, the evaluation's outcome stands
+        free_policies([TrainingClient(backend, name, create=False) for name in loaded])
         backend.close()
     return GamesReport(source, columns, step, played)

@@ -13,7 +13,7 @@ from tinkerless.errors import EnvError
 from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.run.judging import split_reward
 from tinkerless.wire import pack_code
-from tinkerless.wire.messages import EpisodeLimits, Episode, MultiAgentRolloutRequest, RolloutRequest, SamplingParams
+from tinkerless.wire.messages import Episode, MultiAgentRolloutRequest, RolloutRequest
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -40,8 +40,8 @@ class RolloutRequests:
             policy="default",
             tasks=tasks,
             group_size=config.group_size,
-            sampling=self.sampling(),
-            limits=self.limits(),
+            sampling=self.config.sampling_params(),
+            limits=self.config.episode_limits(),
             seed=step_seed(config.seed, step),
             env=self.env_code,
             reward=self.reward_code,
@@ -60,18 +60,12 @@ class RolloutRequests:
             group_size=config.group_size,
             env=self.env_code,
             seats=seats,
-            sampling=self.sampling(),
-            limits=self.limits(),
+            sampling=self.config.sampling_params(),
+            limits=self.config.episode_limits(),
             seed=step_seed(config.seed, step) + index,
             protocol_timeout=config.protocol_timeout,
         )
 
-    def sampling(self) -> SamplingParams:
-        config = self.config
-        return SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p)
-
-    def limits(self) -> EpisodeLimits:
-        return EpisodeLimits(max_turns=self.config.turn_limit(), max_episode_tokens=self.config.max_episode_tokens)
 
 
 def check_errors(episodes: list[Episode], config: TrainConfig, step: int) -> None:

@@ -26,7 +26,7 @@ from tinkerless.sdk.run.batches import update_batch
 from tinkerless.sdk.backends.base import Backend, device_of, make_backend, with_usage
 from tinkerless.sdk.backends.client import TrainingClient, free_policies
 from tinkerless.sdk.run.pipeline import Readers, RolloutPipeline, VersionView, version_for
-from tinkerless.sdk.evaluation.evaluate import eval_columns, held_out_tasks, play as play_eval
+from tinkerless.sdk.evaluation.evaluate import eval_columns, held_out_tasks, load_adapter_dirs, play as play_eval
 from tinkerless.sdk.evaluation.games import play_games
 from tinkerless.sdk.config import TrainConfig
 from tinkerless.sdk.run.lifecycle import Heartbeat, RunInterrupted, heartbeat_interval, interruptible, uninterrupted
@@ -47,7 +47,7 @@ from tinkerless.sdk.run.step_warnings import StepWarnings
 from tinkerless.sdk.run.tasks import TaskSource, check_reset_fields
 from tinkerless.sdk.run.transcripts import TRANSCRIPTS_FILE, episode_record, sample as sample_episodes
 from tinkerless.sdk.tracking.runs import finish_run_trackers, open_run_trackers
-from tinkerless.wire.messages import AdamParams, Episode, LoraConfig, PolicyState
+from tinkerless.wire.messages import AdamParams, Episode, LoraConfig
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class _Run:
                     )
                     for i, name in enumerate(self.policies)
                 }
-                self._load_frozen_adapters()
+                load_adapter_dirs(self.backend, self.frozen, self.namespace)
                 self.teacher = distillation.open_teacher(config, self.backend, self.namespace, self.host, self.usage, self._say)
                 self._reader_versions: list[int] = []  # a resumed async run's readers, kept in its checkpoint
                 if start:
@@ -359,7 +359,7 @@ class _Run:
         if self.multi_agent:
             record.update(agent_metrics(episodes, self.policies))
         record.update(agent_result_metrics(episodes))
-        limits = self.requests.limits()
+        limits = self.config.episode_limits()
         self._step_episodes = []  # the transcripts episodes.jsonl gets, and the trackers' tables
         # Every dropped episode is written, whatever the sample: its cause is what a user reads to see what failed.
         for episode in [*sample_episodes(episodes, config.transcripts_per_step), *dropped]:
@@ -431,13 +431,6 @@ class _Run:
 
     def _frozen_clients(self) -> list[TrainingClient]:
         return [TrainingClient(self.backend, name, create=False, namespace=self.namespace) for name in self.frozen.values()]
-
-    def _load_frozen_adapters(self) -> None:
-        from tinkerless.sdk.evaluation.evaluate import adapter_files
-
-        for path, name in self.frozen.items():
-            frozen = TrainingClient(self.backend, name, create=False, namespace=self.namespace)
-            frozen.load_state(PolicyState(name, adapter_files(path)), include_optimizer=False)
 
     def _say(self, message: str) -> None:
         print(message, flush=True)

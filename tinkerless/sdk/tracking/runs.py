@@ -71,7 +71,6 @@ def report_eval(config: Any, report: Any, tasks: list[dict], *, checkpoint: str 
     episodes, and the report as its summary."""
     from tinkerless.sdk.evaluation.evaluate import eval_columns
     from tinkerless.sdk.run.transcripts import episode_record, sample
-    from tinkerless.wire.messages import EpisodeLimits
 
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{random.randrange(16**4):04x}"
     what = Path((checkpoint or "base").split("@")[0].rstrip("/")).name  # a run id, or an adapter directory's name
@@ -84,7 +83,7 @@ def report_eval(config: Any, report: Any, tasks: list[dict], *, checkpoint: str 
         config.report_to, run_id=eval_id, run_dir=root / "runs" / eval_id, kind="eval",
         config=run_config(settings, run_id=eval_id, kind="eval", backend=config.backend), keep_state=False,
     )
-    limits = EpisodeLimits(max_turns=config.turn_limit(), max_episode_tokens=config.max_episode_tokens)
+    limits = config.episode_limits()
     rows = [episode_record(e, limits, step=step, task=tasks[e.task_index] if 0 <= e.task_index < len(tasks) else None)
             for e in sample(report.played, transcripts)]
     trackers.log_step({"step": step, **eval_columns(report)}, rows)
